@@ -1,0 +1,330 @@
+"""The sharding plan: which modules become FSDP units, on which mesh, and what each rank holds.
+
+The plan is pure data computed from the unwrapped model (`build_sharding_plan`), printed as a table on
+rank 0 and then applied by `lightning_fsdp_plus.sharding.apply_sharding_plan`. Keeping it as data makes it
+testable without process groups.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import nn
+
+
+class ShardingStrategy(str, Enum):
+    """Sharding strategies, with the same names as Lightning's / FSDP1's ``ShardingStrategy``.
+
+    How each maps onto FSDP2 (``fully_shard``):
+
+    ============== ============================ ======================= ==================================
+    strategy       device mesh                  reshard_after_forward   what each rank keeps between steps
+    ============== ============================ ======================= ==================================
+    FULL_SHARD     1-D ``(shard=N,)``           True                    1/N of params, grads, optimizer
+    SHARD_GRAD_OP  1-D ``(shard=N,)``           False                   1/N at rest; full params from
+                                                                        forward until backward (ZeRO-2)
+    NO_SHARD       2-D ``(replicate=N, shard=1)`` False                 everything (DDP-like)
+    HYBRID_SHARD   2-D ``(replicate=N/S, shard=S)`` True                1/S, replicated across N/S groups
+    ============== ============================ ======================= ==================================
+    """
+
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    NO_SHARD = "NO_SHARD"
+    HYBRID_SHARD = "HYBRID_SHARD"
+
+    @classmethod
+    def parse(cls, value: str | ShardingStrategy, *, key: str = "sharding_strategy") -> ShardingStrategy:
+        """Parse a strategy name case-insensitively; the error names ``key``, the value and the choices."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        choices = ", ".join(cls.__members__)
+        raise ValueError(f"{key}={value!r} is not one of {choices}")
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether FSDP2 frees the unsharded parameters after each unit's forward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """Shape of the data-parallel device mesh: ``replicate`` groups of ``shard`` ranks each."""
+
+    replicate: int
+    """Number of replica groups (1 for a 1-D mesh)."""
+    shard: int
+    """Ranks across which each parameter is sharded."""
+    two_d: bool = False
+    """Build a 2-D ``(replicate, shard)`` mesh (NO_SHARD, HYBRID_SHARD) rather than a 1-D ``(shard,)`` one."""
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks in the mesh."""
+        return self.replicate * self.shard
+
+
+def resolve_mesh_layout(
+    *, sharding_strategy: ShardingStrategy, world_size: int, hybrid_shard_size: int | None = None
+) -> MeshLayout:
+    """Mesh layout for a strategy at a world size; ``hybrid_shard_size`` must divide the world size."""
+    if sharding_strategy is ShardingStrategy.NO_SHARD:
+        return MeshLayout(replicate=world_size, shard=1, two_d=True)
+    if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+        size = world_size if hybrid_shard_size is None else hybrid_shard_size
+        check_hybrid_shard_size(hybrid_shard_size=size, world_size=world_size)
+        return MeshLayout(replicate=world_size // size, shard=size, two_d=True)
+    return MeshLayout(replicate=1, shard=world_size)
+
+
+def check_hybrid_shard_size(*, hybrid_shard_size: int, world_size: int) -> None:
+    """Raise a ValueError naming the key, the value and the valid choices if it does not divide the world."""
+    if isinstance(hybrid_shard_size, bool) or not isinstance(hybrid_shard_size, int) or hybrid_shard_size < 1:
+        raise ValueError(f"hybrid_shard_size={hybrid_shard_size!r} must be a positive integer")
+    if world_size % hybrid_shard_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"hybrid_shard_size={hybrid_shard_size} does not divide the world size {world_size};"
+            f" valid choices: {', '.join(map(str, divisors))}"
+        )
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter as the plan sees it (names are those of the unwrapped model)."""
+
+    name: str
+    """Fully qualified parameter name."""
+    shape: tuple[int, ...]
+    """Full (unsharded) shape."""
+    dtype: torch.dtype
+    """Storage dtype."""
+    trainable: bool
+    """``requires_grad`` of the parameter."""
+    sharded: bool
+    """False when the parameter is kept out of FSDP (``ignored_params``) and replicated on every rank."""
+    bytes_per_rank: int
+    """Bytes each rank stores for it: the padded dim-0 chunk when sharded, everything when replicated."""
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the full parameter."""
+        return math.prod(self.shape)
+
+    @property
+    def kind(self) -> str:
+        """``trainable``, ``frozen`` or ``int8`` (frozen integer storage)."""
+        if self.trainable:
+            return "trainable"
+        return "int8" if self.dtype == torch.int8 else "frozen"
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """One ``fully_shard`` call: a module and the parameters it manages (not those of nested units)."""
+
+    path: str
+    """Module path inside the root (``""`` is the root)."""
+    module_class: str
+    """Class name of the module."""
+    params: tuple[ParamInfo, ...]
+    """Parameters owned by this unit."""
+    reshard_after_forward: bool
+    """FSDP2's ``reshard_after_forward`` for this unit."""
+
+    @property
+    def num_params(self) -> int:
+        """Elements managed by this unit."""
+        return sum(p.numel for p in self.params)
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Parameter bytes each rank stores for this unit between steps."""
+        return sum(p.bytes_per_rank for p in self.params)
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """Bytes of this unit's parameters when all-gathered (before mixed-precision casts)."""
+        return sum(p.numel * p.dtype.itemsize for p in self.params)
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """Distinct storage dtypes, sorted."""
+        return tuple(sorted({str(p.dtype).removeprefix("torch.") for p in self.params}))
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Distinct parameter kinds (trainable / frozen / int8), sorted."""
+        return tuple(sorted({p.kind for p in self.params}))
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Everything the strategy will do to the model, computed before anything is done."""
+
+    sharding_strategy: ShardingStrategy
+    """The strategy the plan implements."""
+    mesh: MeshLayout
+    """Device-mesh layout."""
+    units: tuple[FSDPUnit, ...]
+    """FSDP units in application order: children before parents, the root last."""
+    replicated: tuple[ParamInfo, ...] = ()
+    """Parameters kept out of FSDP and replicated on every rank."""
+    activation_checkpointing: tuple[str, ...] = field(default=())
+    """Module paths whose forward is recomputed in backward."""
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Parameter bytes per rank between steps, sharded and replicated together."""
+        return sum(u.bytes_per_rank for u in self.units) + sum(p.bytes_per_rank for p in self.replicated)
+
+    def unit(self, path: str) -> FSDPUnit:
+        """The unit at ``path``; KeyError lists the unit paths."""
+        for unit in self.units:
+            if unit.path == path:
+                return unit
+        raise KeyError(f"no FSDP unit at {path!r}; units: {[u.path for u in self.units]}")
+
+    def to_dict(self) -> dict:
+        """JSON-friendly description (for logs, metrics and tests)."""
+        return {
+            "sharding_strategy": self.sharding_strategy.value,
+            "mesh": {"replicate": self.mesh.replicate, "shard": self.mesh.shard},
+            "units": [
+                {
+                    "path": u.path or "<root>",
+                    "class": u.module_class,
+                    "num_params": u.num_params,
+                    "dtypes": list(u.dtypes),
+                    "kinds": list(u.kinds),
+                    "bytes_per_rank": u.bytes_per_rank,
+                    "reshard_after_forward": u.reshard_after_forward,
+                }
+                for u in self.units
+            ],
+            "replicated": [{"name": p.name, "bytes_per_rank": p.bytes_per_rank} for p in self.replicated],
+            "activation_checkpointing": list(self.activation_checkpointing),
+            "bytes_per_rank": self.bytes_per_rank,
+        }
+
+    def format_table(self) -> str:
+        """The plan as a fixed-width table, one row per unit plus one for replicated parameters."""
+        header = ("unit", "class", "params", "dtypes", "kinds", "placement", "bytes/rank", "reshard")
+        placement = "sharded" if self.mesh.shard > 1 else "replicated"
+        rows = [
+            (
+                u.path or "<root>",
+                u.module_class,
+                f"{u.num_params:,}",
+                ",".join(u.dtypes),
+                ",".join(u.kinds),
+                f"{placement} 1/{self.mesh.shard}",
+                f"{u.bytes_per_rank:,}",
+                "yes" if u.reshard_after_forward else "no",
+            )
+            for u in self.units
+        ]
+        if self.replicated:
+            rows.append(
+                (
+                    "<ignored by FSDP>",
+                    "-",
+                    f"{sum(p.numel for p in self.replicated):,}",
+                    ",".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.replicated})),
+                    ",".join(sorted({p.kind for p in self.replicated})),
+                    "replicated",
+                    f"{sum(p.bytes_per_rank for p in self.replicated):,}",
+                    "-",
+                )
+            )
+        widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
+        line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
+        mesh = f"replicate={self.mesh.replicate} x shard={self.mesh.shard}"
+        title = f"Sharding plan: {self.sharding_strategy.value}, mesh {mesh}, {len(self.units)} FSDP units"
+        body = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
+        if self.activation_checkpointing:
+            body.append(f"activation checkpointing: {', '.join(self.activation_checkpointing)}")
+        body.append(f"total parameter bytes per rank: {self.bytes_per_rank:,}")
+        return "\n".join([title, *body])
+
+
+def sharded_bytes(shape: Sequence[int], dtype: torch.dtype, shard: int) -> int:
+    """Bytes one rank stores for a parameter sharded on dim 0 across ``shard`` ranks (FSDP2 pads dim 0)."""
+    dims = tuple(shape) or (1,)
+    rows = math.ceil(dims[0] / shard)
+    return rows * math.prod(dims[1:]) * dtype.itemsize
+
+
+def build_sharding_plan(
+    model: nn.Module,
+    *,
+    unit_paths: Iterable[str],
+    sharding_strategy: ShardingStrategy,
+    mesh: MeshLayout,
+    ignored_params: Collection[nn.Parameter] = (),
+    activation_checkpointing: Iterable[str] = (),
+) -> ShardingPlan:
+    """Compute the plan: ``unit_paths`` (besides the root, which is always a unit) become FSDP units.
+
+    A parameter belongs to the innermost unit whose subtree holds it, as with nested ``fully_shard`` calls.
+    Parameters in ``ignored_params`` are replicated and listed separately.
+    """
+    paths = {p for p in unit_paths if p}
+    modules = dict(model.named_modules())
+    unknown = sorted(paths - modules.keys())
+    if unknown:
+        raise ValueError(f"unit paths not found in the model: {unknown}")
+    ignored_ids = {id(p) for p in ignored_params}
+    owner: dict[str, list[ParamInfo]] = {path: [] for path in [*paths, ""]}
+    replicated: list[ParamInfo] = []
+    for name, param in model.named_parameters():
+        is_ignored = id(param) in ignored_ids
+        info = ParamInfo(
+            name=name,
+            shape=tuple(param.shape),
+            dtype=param.dtype,
+            trainable=param.requires_grad,
+            sharded=not is_ignored,
+            bytes_per_rank=(
+                param.numel() * param.element_size()
+                if is_ignored
+                else sharded_bytes(param.shape, param.dtype, mesh.shard)
+            ),
+        )
+        if is_ignored:
+            replicated.append(info)
+            continue
+        owner[_innermost_unit(name, paths)].append(info)
+    # post-order: deeper units first so that nested fully_shard calls happen before their parents'
+    ordered = sorted(paths, key=lambda p: (-p.count("."), list(modules).index(p)))
+    units = tuple(
+        FSDPUnit(
+            path=path,
+            module_class=type(modules[path]).__name__,
+            params=tuple(owner[path]),
+            reshard_after_forward=sharding_strategy.reshard_after_forward,
+        )
+        for path in [*ordered, ""]
+    )
+    return ShardingPlan(
+        sharding_strategy=sharding_strategy,
+        mesh=mesh,
+        units=units,
+        replicated=tuple(replicated),
+        activation_checkpointing=tuple(activation_checkpointing),
+    )
+
+
+def _innermost_unit(param_name: str, unit_paths: Collection[str]) -> str:
+    parts = param_name.split(".")[:-1]
+    for depth in range(len(parts), 0, -1):
+        candidate = ".".join(parts[:depth])
+        if candidate in unit_paths:
+            return candidate
+    return ""

@@ -1,0 +1,261 @@
+"""Precision: Lightning's ``precision=`` presets mapped onto FSDP2, and the precision plugin.
+
+============ ================================== ============================= =========================
+preset       stored (sharded) parameters        FSDP2 ``MixedPrecisionPolicy``  forward context
+============ ================================== ============================= =========================
+32-true      fp32                               none                          none
+bf16-mixed   fp32                               param bf16, reduce fp32       autocast(bf16) on device
+16-mixed     fp32                               param fp16, reduce fp32       autocast(fp16) + scaler
+bf16-true    bf16 (module converted)            none                          default dtype bf16
+16-true      fp16 (module converted)            none                          default dtype fp16
+============ ================================== ============================= =========================
+
+``16-mixed`` uses torch's ``ShardedGradScaler``, which all-reduces the inf/NaN check across ranks so
+that every rank skips the same steps. Autocast targets the real device type (``cpu`` or ``cuda``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal, get_args
+
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities import apply_to_collection
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fsdp_plus.clipping import (
+    clip_grad_norm_across_shards,
+    clip_grad_value_across_shards,
+    grad_norm_across_shards,
+)
+
+PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
+"""The ``Trainer(precision=...)`` values the strategy supports."""
+PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+
+_DTYPE_NAMES = {
+    "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "16": torch.float16,
+}  # fmt: skip
+_POLICY_KEYS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+_TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
+_MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+def parse_dtype(value: str | torch.dtype | None, *, key: str) -> torch.dtype | None:
+    """A dtype from a torch dtype or a name like ``"bf16"``/``"bfloat16"``; errors list the names."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).lower().removeprefix("torch.")
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(_DTYPE_NAMES)}")
+    return _DTYPE_NAMES[name]
+
+
+def check_precision(precision: str, *, device_type: str, key: str = "precision") -> None:
+    """Raise a ValueError if the strategy or the device cannot run ``precision``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"{key}={precision!r} is not supported by fsdp_plus; choose one of {', '.join(PRECISIONS)}")
+    if device_type == "cuda" and "bf16" in precision and not torch.cuda.is_bf16_supported():
+        can = [p for p in PRECISIONS if "bf16" not in p]
+        raise ValueError(
+            f"{key}={precision!r} needs bfloat16, which this CUDA device does not support;"
+            f" choose one of {', '.join(can)}"
+        )
+
+
+def validate_mixed_precision(mapping: Mapping[str, Any] | None, *, key: str = "mixed_precision") -> None:
+    """Check a user's ``mixed_precision`` mapping (keys and dtype names) without building anything."""
+    if mapping is None:
+        return
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"{key}={mapping!r} must be None or a mapping with keys {', '.join(_POLICY_KEYS)}")
+    for name, value in mapping.items():
+        if name not in _POLICY_KEYS:
+            raise ValueError(f"{key}.{name} is not a valid key; choose from {', '.join(_POLICY_KEYS)}")
+        if name == "cast_forward_inputs":
+            if not isinstance(value, bool):
+                raise ValueError(f"{key}.cast_forward_inputs={value!r} must be true or false")
+        else:
+            parse_dtype(value, key=f"{key}.{name}")
+
+
+def mixed_precision_policy(*, precision: str, mapping: Mapping[str, Any] | None = None) -> MixedPrecisionPolicy:
+    """The FSDP2 policy for a preset, or built from an explicit ``mixed_precision`` mapping."""
+    if mapping is not None:
+        validate_mixed_precision(mapping)
+        kwargs = {k: parse_dtype(v, key=f"mixed_precision.{k}") if k != "cast_forward_inputs" else v
+                  for k, v in mapping.items()}  # fmt: skip
+        return MixedPrecisionPolicy(**kwargs)
+    if precision in _MIXED_DTYPES:
+        return MixedPrecisionPolicy(param_dtype=_MIXED_DTYPES[precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+class FSDPPlusPrecision(Precision):
+    """Precision plugin for :class:`~lightning_fsdp_plus.FSDPPlusStrategy`.
+
+    Arguments:
+        precision: One of ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed``, ``16-true``.
+        device: Device type for autocast (``"cpu"`` or ``"cuda"``); the strategy sets it from its root device.
+        scaler: A gradient scaler for ``16-mixed``; defaults to torch's ``ShardedGradScaler``.
+        log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` on every optimizer step.
+
+    Lightning rewrites ``Trainer(accelerator="cpu", precision="16-mixed")`` into ``bf16-mixed`` before any
+    strategy sees it; for real fp16 autocast on CPU pass ``Trainer(plugins=[FSDPPlusPrecision("16-mixed")])``.
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "32-true",
+        *,
+        device: str | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+        log_grad_norm: bool = True,
+    ) -> None:
+        check_precision(precision, device_type=device or "cpu")
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"precision={precision!r} does not use a gradient scaler, but one was given")
+        self.precision = precision  # type: ignore[assignment]
+        self.device = device or "cpu"
+        self._scaler = scaler
+        self._scaler_ready = scaler is not None or precision != "16-mixed"
+        self.log_grad_norm = log_grad_norm
+        self.last_grad_norm: Tensor | None = None
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The gradient scaler (``16-mixed`` only), created on first use for the final device."""
+        if not self._scaler_ready:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            self._scaler = ShardedGradScaler(device=self.device)
+            self._scaler_ready = True
+        return self._scaler
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward math runs in."""
+        return {**_TRUE_DTYPES, **_MIXED_DTYPES}.get(self.precision, torch.float32)
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.precision in _TRUE_DTYPES:
+            return module.to(dtype=_TRUE_DTYPES[self.precision])
+        return module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager:
+        if self.precision in _TRUE_DTYPES:
+            return _DtypeContextManager(_TRUE_DTYPES[self.precision])
+        return nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        if self.precision in _MIXED_DTYPES:
+            with torch.autocast(self.device, dtype=_MIXED_DTYPES[self.precision], cache_enabled=False):
+                yield
+        else:
+            with self.tensor_init_context():
+                yield
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.precision in _TRUE_DTYPES:
+            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
+        return data
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        if self.precision in _TRUE_DTYPES:
+            dst = torch.get_default_dtype()
+            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dst)
+        return data
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Optimizable, model: Any, closure: Any, **kwargs: Any
+    ) -> Any:
+        scaler = self.scaler
+        if scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization
+        if not skip:
+            scaler.unscale_(optimizer)  # before clipping, which sees true gradients
+        self._after_closure(model, optimizer)
+        if skip:
+            return closure_result
+        step_output = scaler.step(optimizer, **kwargs)  # skipped on every rank if any rank found inf/NaN
+        scaler.update()
+        return step_output
+
+    @override
+    def _clip_gradients(
+        self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        self.last_grad_norm = None
+        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
+        if not self.log_grad_norm or not getattr(model, "automatic_optimization", False):
+            return
+        if self.last_grad_norm is None:  # norm clipping did not run: measure anyway
+            self.last_grad_norm = grad_norm_across_shards(self.main_params(optimizer))
+        model.log("grad_norm", self.last_grad_norm.detach().float().cpu(), on_step=True, prog_bar=False)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        self.last_grad_norm = clip_grad_norm_across_shards(self.main_params(optimizer), max_norm=float(clip_val))
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: float) -> None:
+        clip_grad_value_across_shards(self.main_params(optimizer), clip_value=float(clip_val))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+    @classmethod
+    def from_lightning(cls, plugin: Precision, *, device: str | None = None) -> FSDPPlusPrecision:
+        """Convert the plugin Lightning built from ``Trainer(precision=...)`` into ours."""
+        if isinstance(plugin, cls):
+            return plugin
+        if type(plugin) not in _LIGHTNING_PLUGINS():
+            raise ValueError(
+                f"precision plugin {type(plugin).__name__} is not supported by fsdp_plus; use"
+                f" Trainer(precision=...) with one of {', '.join(PRECISIONS)} or FSDPPlusPrecision"
+            )
+        precision = str(getattr(plugin, "precision", "32-true"))
+        if precision == "16-mixed" and getattr(plugin, "scaler", None) is not None:
+            rank_zero_warn("fsdp_plus replaces the given gradient scaler with a ShardedGradScaler")
+        return cls(precision, device=device or getattr(plugin, "device", None))  # type: ignore[arg-type]
+
+
+def _LIGHTNING_PLUGINS() -> tuple[type, ...]:
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    return (Precision, MixedPrecision, HalfPrecision, DoublePrecision)

@@ -1,0 +1,164 @@
+"""Multi-process training cases, run as a script (never imported by pytest's collection).
+
+    python tests/helpers/dist_cases.py --out DIR --cases full_shard_sgd,clip_norm [--launcher popen|spawn]
+
+Run with the repository root on PYTHONPATH (``tests.helpers.launch`` does). Lightning's subprocess
+launcher re-runs this file for rank 1; under ``torchrun`` each rank runs it.
+Every case writes ``DIR/<case>.rank<r>.json`` (losses, memory, scaler) and rank 0 writes ``DIR/<case>.pt``
+(the full, unsharded final state dict) for the tests to compare with a single-process reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.utils.data import DataLoader
+
+from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
+from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.memory import model_state_bytes
+from tests.helpers.models import TinyLM, TokenDataset, tiny_llama
+
+STEPS = 6
+
+CASES: dict[str, dict] = {
+    "full_shard_sgd": {"strategy": {"sharding_strategy": "FULL_SHARD"}},
+    "shard_grad_op_sgd": {"strategy": {"sharding_strategy": "shard_grad_op"}},
+    "no_shard_sgd": {"strategy": {"sharding_strategy": "NO_SHARD"}},
+    "hybrid_shard_sgd": {"strategy": {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 1}},
+    "full_shard_adamw": {"strategy": {}, "module": {"optimizer": "adamw", "lr": 3e-3}},
+    "ac_prefetch_sgd": {
+        "strategy": {
+            "activation_checkpointing": ["Block"],
+            "forward_prefetch": True,
+            "auto_wrap_policy": {"min_num_params": 5000},
+        }
+    },
+    "clip_norm": {"strategy": {}, "trainer": {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}},
+    "clip_value": {"strategy": {}, "trainer": {"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"}},
+    "bf16_mixed": {"strategy": {}, "trainer": {"precision": "bf16-mixed"}},
+    "bf16_true": {"strategy": {}, "trainer": {"precision": "bf16-true"}},
+    "fp16_mixed_inf": {"strategy": {}, "plugins": "16-mixed", "inject_inf_at": 2},
+    "llama_auto": {"strategy": {}, "llama": True, "trainer": {"use_distributed_sampler": True}},
+}
+
+
+class Recorder(Callback):
+    """Global loss per step, peak model-state bytes, scaler scale and whether the local shard moved."""
+
+    def __init__(self, name: str, out: Path) -> None:
+        self.name, self.out = name, out
+        self.losses: list[float] = []
+        self.peak: dict[str, int] = {}
+        self.scales: list[float] = []
+        self.stepped: list[bool] = []
+        self._before: float = 0.0
+
+    def _sample(self, trainer, module) -> None:
+        sample = model_state_bytes(module, trainer.optimizers).to_dict()
+        if sample["total"] > self.peak.get("total", -1):
+            self.peak = sample
+
+    def on_before_backward(self, trainer, module, loss) -> None:
+        self._sample(trainer, module)
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self._sample(trainer, module)
+        self._before = _local_checksum(module)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self._sample(trainer, module)
+        loss = outputs["loss"].detach().float()
+        self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
+        self.stepped.append(_local_checksum(module) != self._before)
+        scaler = trainer.precision_plugin.scaler
+        if scaler is not None:
+            self.scales.append(float(scaler.get_scale()))
+
+    def on_train_end(self, trainer, module) -> None:
+        # runs inside every rank whatever the launcher (popen, spawn, torchrun)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(trainer.strategy.model, options=options)
+        record = {
+            "losses": self.losses,
+            "peak_bytes": self.peak,
+            "scales": self.scales,
+            "stepped": self.stepped,
+            "plan": trainer.strategy.sharding_plan.to_dict(),
+            "world_size": trainer.world_size,
+            "param_types": sorted({type(p).__name__ for p in module.parameters()}),
+            "logged": sorted(trainer.logged_metrics),
+        }
+        (self.out / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
+        if trainer.global_rank == 0:
+            torch.save({k: v.float() for k, v in full.items()}, self.out / f"{self.name}.pt")
+
+
+class InjectInf(Callback):
+    """Put an inf into rank 1's local gradient shard at one step (after backward, before unscaling)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_after_backward(self, trainer, module) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 1:
+            grad = next(p for p in module.parameters() if p.grad is not None).grad
+            grad.to_local().view(-1)[0] = float("inf")
+
+
+def _local_checksum(module) -> float:
+    return float(sum(p.detach().to_local().double().abs().sum() for p in module.parameters()))
+
+
+def run_case(name: str, out: Path, start_method: str = "popen") -> None:
+    spec = CASES[name]
+    seed_everything(0, workers=True)
+    recorder = Recorder(name, out)
+    callbacks = [recorder]
+    if "inject_inf_at" in spec:
+        callbacks.append(InjectInf(spec["inject_inf_at"]))
+    trainer_kwargs = {"use_distributed_sampler": False, **spec.get("trainer", {})}
+    if "plugins" in spec:
+        trainer_kwargs["plugins"] = [FSDPPlusPrecision(spec["plugins"])]
+    trainer = Trainer(
+        strategy=FSDPPlusStrategy(**spec["strategy"], start_method=start_method),
+        accelerator="cpu",
+        devices=2,
+        max_steps=STEPS,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    if spec.get("llama"):
+        loader = DataLoader(TokenDataset(), batch_size=4)
+        trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader)
+    else:
+        module = TinyLM(**spec.get("module", {}))
+        trainer.fit(module)
+        if start_method != "popen":  # the main process received the trained weights from the workers
+            torch.save(module.state_dict(), out / f"{name}.main.pt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--start-method", default="popen")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in args.cases.split(","):
+        run_case(name, args.out, args.start_method)
+
+
+if __name__ == "__main__":
+    main()

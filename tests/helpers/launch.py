@@ -1,0 +1,37 @@
+"""Run a script on several CPU processes from a test, the way users launch training.
+
+Multi-process tests never call ``Trainer(devices=2).fit`` inside pytest: Lightning's launcher would re-run
+pytest for rank 1. They run a script instead, batching many cases into one launch to pay start-up once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("LOCAL_RANK", None)  # a stale value would make Lightning think the ranks already exist
+    return env
+
+
+def run_script(script: str | Path, *args: str, torchrun: int | None = None, timeout: float = 600) -> str:
+    """Run ``script`` (with Lightning's own launcher, or under ``torchrun --nproc_per_node N``).
+
+    Returns the combined output; raises AssertionError with the output's tail when the run fails.
+    """
+    command = [sys.executable, str(script), *args]
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
+                   "--standalone", str(script), *args]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{output[-6000:]}"
+    return output

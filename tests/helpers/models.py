@@ -1,0 +1,172 @@
+"""Small, deterministic models and LightningModules shared by the tests (and the single-process reference)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+VOCAB, DIM, HEADS, SEQ = 61, 32, 4, 12
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention and an MLP."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(att)
+        return x + self.down(F.gelu(self.up(self.norm2(x))))
+
+
+class TinyTransformer(nn.Module):
+    """Token embedding, ``layers`` blocks, a final norm and an untied LM head."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy in fp32."""
+    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+class TokenDataset(Dataset):
+    """Fixed pseudo-random token sequences (same on every rank and in the reference)."""
+
+    def __init__(self, n: int = 64, seed: int = 1234) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+def make_model(seed: int = 0, layers: int = 3) -> TinyTransformer:
+    """The model with a fixed initialisation."""
+    torch.manual_seed(seed)
+    return TinyTransformer(layers=layers)
+
+
+class TinyLM(LightningModule):
+    """LightningModule around ``TinyTransformer``; the data order is fixed (no shuffling) for parity tests."""
+
+    def __init__(self, *, optimizer: str = "sgd", lr: float = 0.1, batch_size: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        self.model = make_model(seed)
+        self.optimizer_name, self.lr, self.batch_size = optimizer, lr, batch_size
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self.model(batch), batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = lm_loss(self.model(batch), batch)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.optimizer_name, self.parameters(), lr=self.lr)
+
+    def train_dataloader(self) -> DataLoader:
+        ds = TokenDataset()
+        sampler = DistributedSampler(
+            ds, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        ds = TokenDataset(n=16, seed=99)
+        sampler = DistributedSampler(
+            ds, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank, shuffle=False
+        )
+        return DataLoader(ds, batch_size=self.batch_size, sampler=sampler)
+
+
+def make_optimizer(name: str, params, *, lr: float) -> torch.optim.Optimizer:
+    """SGD with momentum or AdamW, the two optimizers the parity tests use."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    raise ValueError(name)
+
+
+def global_batches(*, world_size: int, batch_size: int, steps: int) -> list[torch.Tensor]:
+    """The global batch of every step: what all ranks' DistributedSamplers (shuffle=False) serve together."""
+    data = TokenDataset().data
+    per_rank = [data[r::world_size] for r in range(world_size)]
+    return [torch.cat([chunk[s * batch_size : (s + 1) * batch_size] for chunk in per_rank]) for s in range(steps)]
+
+
+def train_reference(
+    *,
+    steps: int,
+    optimizer: str = "sgd",
+    lr: float = 0.1,
+    world_size: int = 2,
+    batch_size: int = 4,
+    clip_norm: float | None = None,
+    clip_value: float | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training on the same global batches: per-step losses and final parameters."""
+    model = make_model(0)
+    opt = make_optimizer(optimizer, model.parameters(), lr=lr)
+    losses = []
+    for batch in global_batches(world_size=world_size, batch_size=batch_size, steps=steps):
+        # the mean of per-rank mean losses equals the global mean: every rank holds the same number of tokens
+        loss = torch.stack([lm_loss(model(b), b) for b in batch.chunk(world_size)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def tiny_llama(seed: int = 0, layers: int = 2):
+    """A transformers Llama built from a tiny config (no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=DIM,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)

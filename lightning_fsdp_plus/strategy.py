@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
@@ -101,11 +102,11 @@ class FSDPPlusStrategy(ModelParallelStrategy):
                 " original parameters (names, requires_grad, optimizer view) are always kept; valid choices: True"
             )
         validate_wrap_policy(auto_wrap_policy)
-        validate_wrap_policy(activation_checkpointing, key="activation_checkpointing")
         if isinstance(activation_checkpointing, (str, Mapping)) or callable(activation_checkpointing):
             raise ValueError(
                 f"activation_checkpointing={activation_checkpointing!r} must be a list of module classes or names"
             )
+        validate_wrap_policy(activation_checkpointing, key="activation_checkpointing")
         validate_mixed_precision(mixed_precision)
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {', '.join(_START_METHODS)}")
@@ -213,7 +214,16 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         if is_sharded(self.model):
-            rank_zero_info("fsdp_plus: the model was already sharded (fully_shard in configure_model); using it as is.")
+            if self._sharding_plan is None:  # not ours: the user called fully_shard in configure_model
+                rank_zero_info(
+                    "fsdp_plus: the model is already sharded (fully_shard in configure_model); using it as is."
+                )
+                self._sharding_plan = build_sharding_plan(
+                    self.model,
+                    unit_paths=[n for n, m in self.model.named_modules() if n and isinstance(m, FSDPModule)],
+                    sharding_strategy=self.sharding_strategy,
+                    mesh=self.mesh_layout,
+                )
         else:
             self.model = self.precision_plugin.convert_module(self.model)
             self._sharding_plan = self._build_plan(self.model)

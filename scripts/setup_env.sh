@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create .venv (once) with the CPU build of torch and the package in editable mode. Idempotent and quick
+# when nothing changed: it reinstalls only when pyproject.toml or constraints.txt differ from the last run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+stamp=.venv/.fsdp-plus-installed
+want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
+if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: it must be the CPU build, not a CUDA one pulled in by another package's range
+.venv/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+.venv/bin/python -m pip install -q -c constraints.txt -e ".[dev]"
+echo "$want" > "$stamp"

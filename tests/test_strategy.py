@@ -1,0 +1,90 @@
+"""FSDPPlusStrategy in one process: registration, argument handling, and errors raised before any process group."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
+
+import lightning_fsdp_plus
+from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy, ShardingStrategy
+from tests.helpers.models import TinyLM
+
+
+def cpu_trainer(**kwargs) -> Trainer:
+    kwargs.setdefault("strategy", "fsdp_plus")
+    return Trainer(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, **kwargs)
+
+
+def test_import_registers_fsdp_plus_without_the_gpu_only_check():
+    assert "fsdp_plus" in StrategyRegistry and "fsdp_plus_spawn" in StrategyRegistry
+    assert "fsdp_plus" not in FSDPStrategy.get_registered_strategies()
+    trainer = cpu_trainer()
+    assert isinstance(trainer.strategy, FSDPPlusStrategy)
+    assert trainer.strategy.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert isinstance(trainer.precision_plugin, FSDPPlusPrecision)
+    assert trainer.precision_plugin.device == "cpu"
+    assert cpu_trainer(strategy="fsdp_plus_spawn").strategy.start_method == "spawn"
+    assert lightning_fsdp_plus.__version__
+
+
+def test_trainer_precision_reaches_the_plugin():
+    trainer = cpu_trainer(precision="bf16-mixed")
+    assert trainer.precision_plugin.precision == "bf16-mixed" and trainer.precision_plugin.device == "cpu"
+
+
+def test_explicit_fp16_plugin_on_cpu_keeps_fp16():
+    trainer = cpu_trainer(plugins=[FSDPPlusPrecision("16-mixed")])
+    assert trainer.precision_plugin.precision == "16-mixed" and trainer.precision_plugin.scaler is not None
+
+
+def test_sampler_covers_every_rank_in_every_strategy():
+    strategy = cpu_trainer(strategy=FSDPPlusStrategy("hybrid_shard", hybrid_shard_size=1)).strategy
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0}
+
+
+def test_sharding_plan_before_setup_says_when_it_exists():
+    with pytest.raises(RuntimeError, match="computed in setup"):
+        _ = FSDPPlusStrategy().sharding_plan
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: FSDPPlusStrategy("FULLSHARD"),
+         "sharding_strategy='FULLSHARD' is not one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD"),
+        (lambda: FSDPPlusStrategy(use_orig_params=False),
+         "use_orig_params=False is not supported.*valid choices: True"),
+        (lambda: FSDPPlusStrategy(hybrid_shard_size=0), "hybrid_shard_size=0 must be a positive integer"),
+        (lambda: FSDPPlusStrategy(start_method="thread"), "start_method='thread' is not one of popen, spawn"),
+        (lambda: FSDPPlusStrategy(activation_checkpointing="Block"), "activation_checkpointing='Block' must be a list"),
+        (lambda: FSDPPlusStrategy(mixed_precision={"param_dtype": "int4"}), "mixed_precision.param_dtype='int4'"),
+        (lambda: cpu_trainer(strategy=FSDPPlusStrategy("HYBRID_SHARD", hybrid_shard_size=3)),
+         "hybrid_shard_size=3 does not divide the world size 2; valid choices: 1, 2"),
+        (lambda: cpu_trainer(precision="64-true"), "precision='64-true' is not supported by fsdp_plus; choose one of"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_fail_early_with_key_value_and_choices(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "message"),
+    [
+        (FSDPPlusStrategy(auto_wrap_policy=["DecoderLayer"]),
+         "auto_wrap_policy: module class 'DecoderLayer' is not in the model; candidates: Block, Embedding"),
+        (FSDPPlusStrategy(activation_checkpointing=["Attention"]),
+         "activation_checkpointing: module class 'Attention' is not in the model; candidates: Block"),
+    ],
+)  # fmt: skip
+def test_unknown_classes_fail_in_fit_before_any_process_starts(strategy, message):
+    trainer = cpu_trainer(strategy=strategy, max_steps=1)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(TinyLM())
+    assert not dist.is_initialized()
+    assert "LOCAL_RANK" not in os.environ  # the launcher never ran

@@ -215,12 +215,13 @@ class FSDPPlusPrecision(Precision):
         self, model: Any, optimizer: Any, clip_val: float | None = None, gradient_clip_algorithm: Any = None
     ) -> None:
         self.last_grad_norm = None
-        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
-        if not self.log_grad_norm or not getattr(model, "automatic_optimization", False):
-            return
-        if self.last_grad_norm is None:  # norm clipping did not run: measure anyway
+        log = self.log_grad_norm and getattr(model, "automatic_optimization", False)
+        if log and not (clip_val and gradient_clip_algorithm == "norm"):
+            # no norm clipping will measure it: measure before any value clipping changes the gradients
             self.last_grad_norm = grad_norm_across_shards(self.main_params(optimizer))
-        model.log("grad_norm", self.last_grad_norm.detach().float().cpu(), on_step=True, prog_bar=False)
+        super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
+        if log and self.last_grad_norm is not None:
+            model.log("grad_norm", self.last_grad_norm.detach().float().cpu(), on_step=True, prog_bar=False)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:

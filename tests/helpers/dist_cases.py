@@ -56,6 +56,7 @@ class Recorder(Callback):
         self.peak: dict[str, int] = {}
         self.scales: list[float] = []
         self.stepped: list[bool] = []
+        self.grad_norms: list[float] = []
         self._before: float = 0.0
 
     def _sample(self, trainer, module) -> None:
@@ -75,6 +76,8 @@ class Recorder(Callback):
         loss = outputs["loss"].detach().float()
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
         self.stepped.append(_local_checksum(module) != self._before)
+        if "grad_norm" in trainer.callback_metrics:
+            self.grad_norms.append(trainer.callback_metrics["grad_norm"].item())
         scaler = trainer.precision_plugin.scaler
         if scaler is not None:
             self.scales.append(float(scaler.get_scale()))
@@ -90,6 +93,7 @@ class Recorder(Callback):
             "peak_bytes": self.peak,
             "scales": self.scales,
             "stepped": self.stepped,
+            "grad_norms": self.grad_norms,
             "plan": trainer.strategy.sharding_plan.to_dict(),
             "world_size": trainer.world_size,
             "param_types": sorted({type(p).__name__ for p in module.parameters()}),

@@ -136,8 +136,12 @@ def train_reference(
     batch_size: int = 4,
     clip_norm: float | None = None,
     clip_value: float | None = None,
+    grad_norms: list[float] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process training on the same global batches: per-step losses and final parameters."""
+    """Single-process training on the same global batches: per-step losses and final parameters.
+
+    ``grad_norms``, if given, receives the pre-clip global gradient norm of every step.
+    """
     model = make_model(0)
     opt = make_optimizer(optimizer, model.parameters(), lr=lr)
     losses = []
@@ -146,6 +150,8 @@ def train_reference(
         loss = torch.stack([lm_loss(model(b), b) for b in batch.chunk(world_size)]).mean()
         opt.zero_grad()
         loss.backward()
+        if grad_norms is not None:
+            grad_norms.append(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item())
         if clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         if clip_value is not None:

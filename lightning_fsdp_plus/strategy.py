@@ -20,6 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
+from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters, make_lora_config
 from lightning_fsdp_plus.plan import (
     MeshLayout,
     ShardingPlan,
@@ -35,6 +36,7 @@ from lightning_fsdp_plus.precision import (
     mixed_precision_policy,
     validate_mixed_precision,
 )
+from lightning_fsdp_plus.quantization import Int8Linear, check_quantize_base, convert_to_int8, int8_candidates
 from lightning_fsdp_plus.sharding import apply_sharding_plan, init_mesh, is_sharded, offload_policy
 
 if TYPE_CHECKING:
@@ -66,6 +68,18 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             ``CPUOffloadPolicy``); meaningful on GPU, a no-op on CPU.
         forward_prefetch: Explicitly prefetch the next unit's all-gather in forward (and the previous one in
             backward) instead of relying on FSDP2's implicit prefetching.
+        lora_only: Shard only the trainable (LoRA) parameters, their gradients and optimizer state; the
+            frozen base (possibly int8) is kept out of FSDP (``ignored_params``) and replicated on every rank,
+            so only the small adapters are all-gathered. ``False`` shards the frozen base too (memory-lean).
+        lora: Apply PEFT LoRA in ``setup`` (before sharding): a ``peft.LoraConfig`` or a mapping with
+            ``r``, ``alpha``, ``dropout``, ``target_modules`` (and any other ``LoraConfig`` field). It wraps the
+            first transformers model inside the LightningModule with ``peft.get_peft_model``. Leave ``None`` if
+            the LightningModule applies PEFT itself.
+        quantize_base: ``"int8"`` turns every frozen ``nn.Linear`` (and every bitsandbytes ``Linear8bitLt``)
+            outside LoRA adapters and ``quantize_skip`` into an :class:`~lightning_fsdp_plus.quantization.Int8Linear`
+            computed with bitsandbytes' LLM.int8 kernels; ``None`` (default) keeps the base as it is.
+        quantize_skip: Module names or ``fnmatch`` path patterns left unquantized (default: the LM head).
+        int8_threshold: LLM.int8 outlier threshold for newly quantized layers (bitsandbytes' ``threshold``).
         use_orig_params: Must be ``True``: FSDP2 always keeps the original parameters (names, ``requires_grad``).
         log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` every optimizer step.
         start_method: ``"popen"`` (default: re-run the script for each rank, like ``ddp``), or a
@@ -86,6 +100,11 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         activation_checkpointing: Sequence[type[nn.Module] | str] | None = None,
         cpu_offload: bool = False,
         forward_prefetch: bool = False,
+        lora_only: bool = False,
+        lora: Mapping[str, Any] | Any | None = None,
+        quantize_base: str | None = None,
+        quantize_skip: Sequence[str] = ("lm_head",),
+        int8_threshold: float = 6.0,
         use_orig_params: bool = True,
         log_grad_norm: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -108,6 +127,9 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             )
         validate_wrap_policy(activation_checkpointing, key="activation_checkpointing")
         validate_mixed_precision(mixed_precision)
+        check_quantize_base(quantize_base)
+        if isinstance(quantize_skip, str):
+            raise ValueError(f"quantize_skip={quantize_skip!r} must be a list of module names or patterns")
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {', '.join(_START_METHODS)}")
         self.hybrid_shard_size = hybrid_shard_size
@@ -118,6 +140,11 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         self.forward_prefetch = forward_prefetch
         self.log_grad_norm = log_grad_norm
         self.start_method = start_method
+        self.lora_only = lora_only
+        self.lora = make_lora_config(lora)
+        self.quantize_base = quantize_base
+        self.quantize_skip = list(quantize_skip)
+        self.int8_threshold = int8_threshold
         self._mesh_layout: MeshLayout | None = None
         self._sharding_plan: ShardingPlan | None = None
 
@@ -197,6 +224,7 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         # Trainer.fit/validate assign the module here before launching any process: the earliest moment to
         # resolve wrap and checkpointing class names against the model (unless configure_model builds layers).
         if model is not None and not is_overridden("configure_model", model):
+            self._prepare_model(model)
             self._build_plan(model)
         self.__dict__["_fsdp_plus_module"] = model
 
@@ -225,6 +253,10 @@ class FSDPPlusStrategy(ModelParallelStrategy):
                     mesh=self.mesh_layout,
                 )
         else:
+            self._prepare_model(self.model)
+            if self.quantize_base == "int8":  # quantize from the float weights, before any dtype conversion
+                converted = convert_to_int8(self.model, skip=self.quantize_skip, threshold=self.int8_threshold)
+                rank_zero_info(f"fsdp_plus: {len(converted)} frozen linear layers now int8 (LLM.int8)")
             self.model = self.precision_plugin.convert_module(self.model)
             self._sharding_plan = self._build_plan(self.model)
             rank_zero_info(self._sharding_plan.format_table())
@@ -237,6 +269,7 @@ class FSDPPlusStrategy(ModelParallelStrategy):
                 ),
                 offload=offload_policy(cpu_offload=self.cpu_offload, device_type=self.root_device.type),
                 forward_prefetch=self.forward_prefetch,
+                ignored_params=self._replicated_params(self.model),
             )
         _materialize_distributed_module(self.model, self.root_device)
         if not self.cpu_offload or self.root_device.type == "cpu":
@@ -248,6 +281,22 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def _prepare_model(self, model: nn.Module) -> None:
+        """Apply LoRA if configured and check the LoRA/int8 options against the model (idempotent)."""
+        if self.lora is not None:
+            apply_lora(model, self.lora)
+        if self.lora_only:
+            check_trainable(model)
+        already = any(isinstance(m, Int8Linear) for m in model.modules())
+        if self.quantize_base == "int8" and not already and not int8_candidates(model, skip=self.quantize_skip):
+            raise ValueError(
+                "quantize_base='int8' found no frozen nn.Linear outside LoRA adapters and quantize_skip="
+                f"{self.quantize_skip}; freeze the base (e.g. apply LoRA) or set quantize_base=None"
+            )
+
+    def _replicated_params(self, model: nn.Module) -> set[nn.Parameter]:
+        return frozen_parameters(model) if self.lora_only else set()
+
     def _unit_paths(self, model: nn.Module) -> list[str]:
         return select_unit_paths(model, self.auto_wrap_policy)
 
@@ -258,6 +307,7 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             unit_paths=self._unit_paths(model),
             sharding_strategy=self.sharding_strategy,
             mesh=self.mesh_layout,
+            ignored_params=self._replicated_params(model),
             activation_checkpointing=[n for n, m in model.named_modules() if n and isinstance(m, tuple(checkpointed))],
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -11,7 +12,8 @@ from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
 
 import lightning_fsdp_plus
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy, ShardingStrategy
-from tests.helpers.models import TinyLM
+from lightning_fsdp_plus.lm import CausalLMModule
+from tests.helpers.models import TinyLM, tiny_llama
 
 
 def cpu_trainer(**kwargs) -> Trainer:
@@ -88,3 +90,36 @@ def test_unknown_classes_fail_in_fit_before_any_process_starts(strategy, message
         trainer.fit(TinyLM())
     assert not dist.is_initialized()
     assert "LOCAL_RANK" not in os.environ  # the launcher never ran
+
+
+def test_lora_and_int8_argument_errors_at_construction(monkeypatch):
+    with pytest.raises(ValueError, match="quantize_base='nf4' is not supported yet"):
+        FSDPPlusStrategy(quantize_base="nf4")
+    with pytest.raises(ValueError, match="quantize_base='int4' is not supported yet"):
+        FSDPPlusStrategy(quantize_base="int4")
+    with pytest.raises(ValueError, match="quantize_skip='lm_head' must be a list"):
+        FSDPPlusStrategy(quantize_skip="lm_head")
+    with pytest.raises(ValueError, match=r"lora: .*valid keys"):
+        FSDPPlusStrategy(lora={"rank": 4})
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    with pytest.raises(ImportError, match="quantize_base='int8' needs bitsandbytes"):
+        FSDPPlusStrategy(quantize_base="int8")
+
+
+@pytest.mark.parametrize(
+    ("strategy", "make_module", "message"),
+    [
+        (lambda: FSDPPlusStrategy(lora={"target_modules": ["query"]}), lambda: CausalLMModule(tiny_llama(0)),
+         r"lora.target_modules=\['query'\] matches no module; linear layers in the model: down_proj, gate_proj"),
+        (lambda: FSDPPlusStrategy(lora_only=True), lambda: CausalLMModule(tiny_llama(0).requires_grad_(False)),
+         "lora_only=True shards the trainable .* but the model has none"),
+        (lambda: FSDPPlusStrategy(quantize_base="int8"), lambda: TinyLM(),
+         r"quantize_base='int8' found no frozen nn.Linear outside LoRA adapters and quantize_skip=\['lm_head'\]"),
+    ],
+)  # fmt: skip
+def test_lora_and_int8_model_errors_fail_in_fit_before_any_process_starts(strategy, make_module, message):
+    trainer = cpu_trainer(strategy=strategy(), max_steps=1)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(make_module())
+    assert not dist.is_initialized()
+    assert "LOCAL_RANK" not in os.environ

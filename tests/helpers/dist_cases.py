@@ -20,8 +20,20 @@ from torch.utils.data import DataLoader
 
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
 from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import model_state_bytes
-from tests.helpers.models import TinyLM, TokenDataset, tiny_llama
+from lightning_fsdp_plus.memory.accounting import local_bytes
+from tests.helpers.models import (
+    LORA,
+    LORA_LLAMA,
+    FixedBatches,
+    StridedSampler,
+    TinyLM,
+    TokenDataset,
+    lora_llama,
+    make_optimizer,
+    tiny_llama,
+)
 
 STEPS = 6
 
@@ -44,7 +56,13 @@ CASES: dict[str, dict] = {
     "bf16_true": {"strategy": {}, "trainer": {"precision": "bf16-true"}},
     "fp16_mixed_inf": {"strategy": {}, "plugins": "16-mixed", "inject_inf_at": 2},
     "llama_auto": {"strategy": {}, "llama": True, "trainer": {"use_distributed_sampler": True}},
+    # LoRA on a Llama, 20 SGD steps on a fixed batch. Replicated: the module applies PEFT itself;
+    # sharded: the strategy applies LoRA from its config. bf16: the replicated bf16 base to compare bytes with.
+    "lora_int8_replicated": {"strategy": {"lora_only": True, "quantize_base": "int8"}, "lora": "module"},
+    "lora_int8_sharded": {"strategy": {"lora_only": False, "quantize_base": "int8", "lora": LORA}, "lora": "strategy"},
+    "lora_bf16_replicated": {"strategy": {"lora_only": True}, "lora": "module", "trainer": {"precision": "bf16-true"}},
 }
+LORA_STEPS, LORA_LR = 20, 0.5
 
 
 class Recorder(Callback):
@@ -57,6 +75,7 @@ class Recorder(Callback):
         self.scales: list[float] = []
         self.stepped: list[bool] = []
         self.grad_norms: list[float] = []
+        self.frozen_with_grad = 0
         self._before: float = 0.0
 
     def _sample(self, trainer, module) -> None:
@@ -69,6 +88,8 @@ class Recorder(Callback):
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         self._sample(trainer, module)
+        frozen = sum(1 for p in module.parameters() if not p.requires_grad and p.grad is not None)
+        self.frozen_with_grad = max(self.frozen_with_grad, frozen)
         self._before = _local_checksum(module)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
@@ -98,7 +119,18 @@ class Recorder(Callback):
             "world_size": trainer.world_size,
             "param_types": sorted({type(p).__name__ for p in module.parameters()}),
             "logged": sorted(trainer.logged_metrics),
+            "frozen_with_grad": self.frozen_with_grad,
+            "frozen_bytes": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
+            "trainable_bytes": sum(local_bytes(p) for p in module.parameters() if p.requires_grad),
+            "frozen_dtypes": sorted({str(p.dtype) for p in module.parameters() if not p.requires_grad}),
         }
+        if find_peft_model(module) is not None:  # adapter in PEFT format + logits of the sharded model
+            export_adapter(module, self.out / f"{self.name}.adapter")
+            module.eval()
+            with torch.no_grad():
+                logits = trainer.strategy.model(input_ids=TokenDataset(n=2, seed=7).data).logits
+            if trainer.global_rank == 0:
+                torch.save(logits.float(), self.out / f"{self.name}.logits.pt")
         (self.out / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
         if trainer.global_rank == 0:
             torch.save({k: v.float() for k, v in full.items()}, self.out / f"{self.name}.pt")
@@ -116,8 +148,16 @@ class InjectInf(Callback):
             grad.to_local().view(-1)[0] = float("inf")
 
 
+class SGDCausalLM(CausalLMModule):
+    """CausalLMModule with SGD+momentum, so the 2-rank run can be compared tightly with the reference."""
+
+    def configure_optimizers(self):
+        return make_optimizer("sgd", [p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
 def _local_checksum(module) -> float:
-    return float(sum(p.detach().to_local().double().abs().sum() for p in module.parameters()))
+    local = (getattr(p, "to_local", p.detach)() for p in module.parameters() if p.requires_grad)
+    return float(sum(t.detach().double().abs().sum() for t in local))
 
 
 def run_case(name: str, out: Path, start_method: str = "popen") -> None:
@@ -134,7 +174,7 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         strategy=FSDPPlusStrategy(**spec["strategy"], start_method=start_method),
         accelerator="cpu",
         devices=2,
-        max_steps=STEPS,
+        max_steps=LORA_STEPS if "lora" in spec else STEPS,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -143,7 +183,12 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         callbacks=callbacks,
         **trainer_kwargs,
     )
-    if spec.get("llama"):
+    if "lora" in spec:
+        base = lora_llama(0) if spec["lora"] == "module" else tiny_llama(0, **LORA_LLAMA)
+        data = FixedBatches(steps=LORA_STEPS)
+        loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))
+        trainer.fit(SGDCausalLM(base, lr=LORA_LR), loader)
+    elif spec.get("llama"):
         loader = DataLoader(TokenDataset(), batch_size=4)
         trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader)
     else:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 VOCAB, DIM, HEADS, SEQ = 61, 32, 4, 12
 
@@ -161,14 +162,14 @@ def train_reference(
     return losses, {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def tiny_llama(seed: int = 0, layers: int = 2):
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = DIM, intermediate: int = 64):
     """A transformers Llama built from a tiny config (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=DIM,
-        intermediate_size=64,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=HEADS,
         num_key_value_heads=2,
@@ -176,3 +177,71 @@ def tiny_llama(seed: int = 0, layers: int = 2):
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": LORA_TARGETS}
+LORA_LLAMA = {"hidden": 256, "intermediate": 512}  # linear layers dominate, as in real LLMs
+
+
+def lora_llama(seed: int = 0):
+    """The LoRA test model: a Llama whose linear layers dominate, with PEFT LoRA on all projections."""
+    from peft import get_peft_model
+
+    from lightning_fsdp_plus.lora import make_lora_config
+
+    return get_peft_model(tiny_llama(seed, **LORA_LLAMA), make_lora_config(LORA))
+
+
+class StridedSampler(Sampler):
+    """Rank r takes items r, r+W, r+2W, ... (DistributedSampler without shuffling), resolved when iterated."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def _rank_world(self) -> tuple[int, int]:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def __iter__(self):
+        rank, world = self._rank_world()
+        return iter(range(rank, self.n, world))
+
+    def __len__(self) -> int:
+        rank, world = self._rank_world()
+        return len(range(rank, self.n, world))
+
+
+class FixedBatches(Dataset):
+    """The same ``per_step`` sequences every step (for 'the loss falls on a fixed batch')."""
+
+    def __init__(self, *, steps: int, per_step: int = 8) -> None:
+        self.data = TokenDataset(n=per_step).data
+        self.n = steps * per_step
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i % len(self.data)]
+
+
+def train_lora_int8_reference(*, steps: int, lr: float, world_size: int = 2, batch_size: int = 4):
+    """Single-process LoRA+int8 (SGD+momentum) on the global batch of ``FixedBatches``: losses, LoRA weights."""
+    from lightning_fsdp_plus.quantization import convert_to_int8
+
+    model = lora_llama(0)
+    convert_to_int8(model)
+    opt = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad], lr=lr)
+    data = FixedBatches(steps=steps).data
+    # DistributedSampler(shuffle=False) gives rank r the items r, r+W, r+2W, ...
+    batch = torch.cat([data[r::world_size][:batch_size] for r in range(world_size)])
+    losses = []
+    for _ in range(steps):
+        loss = torch.stack([model(input_ids=b, labels=b).loss for b in batch.chunk(world_size)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,160 @@
+"""PEFT LoRA helpers: apply LoRA from a config, check trainable parameters, export the adapter.
+
+LoRA itself is PEFT's: ``peft.get_peft_model`` wraps the model and adapter parameter names stay PEFT's.
+The export writes PEFT's own format (``adapter_config.json`` + ``adapter_model.safetensors``) from a
+sharded model, so ``peft.PeftModel.from_pretrained`` loads it onto a plain base in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+_ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+
+
+def make_lora_config(lora: Any, *, key: str = "lora") -> Any:
+    """A ``peft.LoraConfig`` from one, or from a mapping (``r``, ``alpha``, ``dropout``, ``target_modules``, ...)."""
+    from peft import LoraConfig
+
+    if lora is None or isinstance(lora, LoraConfig):
+        return lora
+    if not isinstance(lora, Mapping):
+        raise ValueError(f"{key}={lora!r} must be a peft.LoraConfig or a mapping of LoraConfig fields")
+    fields = {_ALIASES.get(k, k): (list(v) if k == "target_modules" and not isinstance(v, str) else v)
+              for k, v in lora.items()}  # fmt: skip
+    fields.setdefault("task_type", "CAUSAL_LM")
+    try:
+        return LoraConfig(**fields)
+    except TypeError as err:
+        valid = ", ".join(sorted(["r", "alpha", "dropout", *LoraConfig.__dataclass_fields__]))
+        raise ValueError(f"{key}: {err}; valid keys: {valid}") from err
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Distinct last-name components of the linear layers in ``model`` (what ``target_modules`` matches).
+
+    Layers already wrapped by LoRA count under their own name, not as ``base_layer`` or ``lora_A``.
+    """
+    names = set()
+    for path, module in model.named_modules():
+        parts = path.split(".")
+        if path and _is_linear(module) and not any(p == "base_layer" or p.startswith("lora_") for p in parts):
+            names.add(parts[-1])
+    return sorted(names)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    from lightning_fsdp_plus.quantization.int8 import Int8Linear
+
+    linear_types = (nn.Linear, Int8Linear, LoraLayer)
+    return isinstance(module, linear_types) or type(module).__name__ in ("Linear8bitLt", "Conv1D")
+
+
+def check_target_modules(model: nn.Module, config: Any, *, key: str = "lora.target_modules") -> None:
+    """Raise a ValueError listing the model's linear layer names if ``target_modules`` matches none of them."""
+    targets = config.target_modules
+    if targets is None or targets == "all-linear":
+        return
+    found = linear_module_names(model)
+    if isinstance(targets, str):  # PEFT treats a string as a regex over full module paths
+        import re
+
+        matched = any(re.fullmatch(targets, path) for path, _ in model.named_modules())
+    else:
+        matched = bool(set(targets) & set(found))
+    if not matched:
+        shown = targets if isinstance(targets, str) else sorted(targets)
+        raise ValueError(f"{key}={shown!r} matches no module; linear layers in the model: {', '.join(found)}")
+
+
+def find_peft_model(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(path, PeftModel)`` of the first PEFT model inside ``module``, or None."""
+    from peft import PeftModel
+
+    for path, sub in module.named_modules():
+        if isinstance(sub, PeftModel):
+            return path, sub
+    return None
+
+
+def _lora_host(module: nn.Module) -> tuple[str, nn.Module]:
+    """The submodule LoRA wraps: the first transformers ``PreTrainedModel``, else the first child."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedModel = ()  # type: ignore[assignment]
+    for path, sub in module.named_modules():
+        if path and isinstance(sub, PreTrainedModel):
+            return path, sub
+    for name, child in module.named_children():
+        return name, child
+    raise ValueError(f"lora: {type(module).__name__} has no submodule to adapt")
+
+
+def apply_lora(module: nn.Module, lora: Any) -> str:
+    """Wrap the model inside ``module`` with ``peft.get_peft_model`` in place; returns the wrapped path.
+
+    Does nothing (and returns the existing path) when a PEFT model is already there, so that calling it
+    again for ``validate`` then ``fit`` is harmless.
+    """
+    from peft import get_peft_model
+
+    existing = find_peft_model(module)
+    if existing is not None:
+        return existing[0]
+    config = make_lora_config(lora)
+    path, host = _lora_host(module)
+    check_target_modules(host, config)
+    parent_path, _, name = path.rpartition(".")
+    setattr(module.get_submodule(parent_path) if parent_path else module, name, get_peft_model(host, config))
+    return path
+
+
+def check_trainable(module: nn.Module, *, key: str = "lora_only") -> None:
+    """Raise a ValueError when ``lora_only=True`` would shard nothing (no trainable parameters)."""
+    if not any(p.requires_grad for p in module.parameters()):
+        raise ValueError(
+            f"{key}=True shards the trainable (LoRA) parameters, but the model has none: apply LoRA"
+            " (peft.get_peft_model, or FSDPPlusStrategy(lora={...})) or set lora_only=False"
+        )
+
+
+def frozen_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """Parameters with ``requires_grad=False`` (the base that ``lora_only=True`` replicates)."""
+    return {p for p in module.parameters() if not p.requires_grad}
+
+
+def full_tensor(tensor: Tensor) -> Tensor:
+    """The whole tensor on every rank (all-gathers a DTensor; a plain tensor is returned as is)."""
+    gather = getattr(tensor, "full_tensor", None)
+    return (gather() if gather is not None else tensor).detach()
+
+
+def export_adapter(module: nn.Module, directory: str | Path) -> Path | None:
+    """Save the LoRA adapter of the PEFT model inside ``module`` in PEFT's format; call on every rank.
+
+    Every rank takes part in gathering the sharded adapter weights; global rank 0 writes
+    ``adapter_config.json`` and ``adapter_model.safetensors``. Returns the directory (on every rank).
+    """
+    found = find_peft_model(module)
+    if found is None:
+        raise ValueError("export_adapter: the model has no PEFT adapter (apply LoRA first)")
+    _, peft_model = found
+    state = {name: full_tensor(p).cpu() for name, p in peft_model.named_parameters() if p.requires_grad}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    directory = Path(directory)
+    if rank == 0:
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
+        peft_model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return directory

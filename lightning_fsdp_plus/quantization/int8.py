@@ -1,0 +1,197 @@
+"""``Int8Linear``: a frozen LLM.int8 linear layer computed by bitsandbytes, stored as plain Parameters.
+
+bitsandbytes' ``Linear8bitLt`` keeps its int8 weight in an ``Int8Params`` subclass and its per-row scale
+(``SCB``) in side state, which FSDP cannot flatten (FSDP1: "Cannot flatten integer dtype tensors") or
+shard. ``Int8Linear`` holds the same two tensors as ordinary frozen ``nn.Parameter``s:
+
+- ``weight``: ``int8 [out_features, in_features]`` — FSDP2 shards it on dim 0 and all-gathers it as int8;
+- ``weight_scale``: the fp32 per-row absmax scale stored *bit for bit* as ``int32 [out_features]``. As an
+  integer tensor no mixed-precision policy and no ``module.to(dtype)`` can cast (and so degrade) it, and it
+  is sharded row-wise together with the weight.
+
+The forward pass rebuilds bitsandbytes' ``MatmulLtState`` from these tensors and calls ``bnb.matmul``, so
+outputs and input gradients are those of ``Linear8bitLt`` (outlier threshold included) and gradients flow
+to the input, letting LoRA layers before it train.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+def require_bitsandbytes(*, key: str = "quantize_base") -> None:
+    """Raise an ImportError that says how to install bitsandbytes if it cannot be imported."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as err:  # bitsandbytes can fail at import with errors other than ImportError
+        raise ImportError(
+            f"{key}='int8' needs bitsandbytes (LLM.int8 kernels), which could not be imported: {err}."
+            " Install it with: pip install 'bitsandbytes>=0.45'"
+        ) from err
+
+
+class _DropCastNotice(logging.Filter):
+    """bitsandbytes logs "inputs will be cast ... to float16" on every eval forward; it is expected here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "inputs will be cast from" not in record.getMessage()
+
+
+_CAST_FILTER = _DropCastNotice()
+
+
+class Int8Linear(nn.Module):
+    """Frozen 8-bit linear layer (LLM.int8) whose weight and scale FSDP2 can shard.
+
+    Arguments:
+        in_features: Input size.
+        out_features: Output size.
+        bias: Whether the layer has a (frozen, floating-point) bias.
+        threshold: LLM.int8 outlier threshold on activations (bitsandbytes' ``threshold``; 0 disables it).
+        bias_dtype: dtype of the bias.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        threshold: float = 6.0,
+        bias_dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CAST_FILTER)  # idempotent
+        self.in_features, self.out_features, self.threshold = in_features, out_features, float(threshold)
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
+                                   requires_grad=False)  # fmt: skip
+        self.weight_scale = nn.Parameter(torch.zeros(out_features, dtype=torch.int32, device=device),
+                                         requires_grad=False)  # fmt: skip
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
+            if bias
+            else None
+        )
+
+    @property
+    def scale(self) -> Tensor:
+        """The fp32 per-row scale (absmax of each weight row), a view of ``weight_scale``'s bits."""
+        return self.weight_scale.view(torch.float32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x @ dequant(weight).T + bias`` through bitsandbytes' LLM.int8 matmul."""
+        import bitsandbytes as bnb
+
+        state = bnb.MatmulLtState()
+        state.CB, state.SCB = self.weight, self.scale
+        state.has_fp16_weights = False
+        state.threshold = self.threshold
+        state.use_pool = self.threshold > 0.0
+        state.is_training = self.training
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        return bnb.matmul(x, self.weight, bias=bias, state=state)
+
+    def dequantize(self) -> Tensor:
+        """The float weight the int8 weight stands for (``weight * scale / 127``)."""
+        return self.weight.float() * (self.scale.unsqueeze(1) / 127.0)
+
+    @torch.no_grad()
+    def load_quantized(self, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Int8Linear:
+        """Fill from an int8 weight, its fp32 per-row scale and an optional bias; returns self."""
+        self.weight.copy_(weight.to(torch.int8))
+        self.weight_scale.copy_(scale.to(torch.float32).contiguous().view(torch.int32))
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias)
+        return self
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear, *, threshold: float = 6.0) -> Int8Linear:
+        """Quantize a float ``nn.Linear`` exactly as ``Linear8bitLt`` does (fp16, row-wise absmax)."""
+        from bitsandbytes.functional import int8_vectorwise_quant
+
+        weight = linear.weight.detach()
+        cb, scb, _ = int8_vectorwise_quant(weight.to(torch.float16).contiguous())
+        bias = linear.bias
+        layer = cls(linear.in_features, linear.out_features, bias is not None, threshold=threshold,
+                    bias_dtype=bias.dtype if bias is not None else torch.float32, device=weight.device)  # fmt: skip
+        return layer.load_quantized(cb, scb, None if bias is None else bias.detach())
+
+    @classmethod
+    @torch.no_grad()
+    def from_bnb(cls, layer: nn.Module) -> Int8Linear:
+        """Convert a quantized ``bnb.nn.Linear8bitLt`` (e.g. from ``load_in_8bit=True``) losslessly."""
+        state = layer.state
+        cb = state.CB if state.CB is not None else layer.weight.data
+        scb = state.SCB if state.SCB is not None else getattr(layer.weight, "SCB", None)
+        if scb is None or cb.dtype != torch.int8:
+            raise ValueError(
+                f"{type(layer).__name__} is not quantized yet (no int8 weight / SCB); move it to its device first"
+            )
+        bias = layer.bias
+        out = cls(layer.in_features, layer.out_features, bias is not None, threshold=state.threshold,
+                  bias_dtype=bias.dtype if bias is not None else torch.float32, device=cb.device)  # fmt: skip
+        return out.load_quantized(cb, scb, None if bias is None else bias.detach())
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, threshold={self.threshold}"
+        )
+
+
+def _skipped(path: str, skip: Sequence[str]) -> bool:
+    name = path.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip)
+
+
+def _is_bnb_int8(module: nn.Module) -> bool:
+    try:
+        from bitsandbytes.nn import Linear8bitLt
+    except Exception:
+        return False
+    return isinstance(module, Linear8bitLt)
+
+
+def int8_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:
+    """Paths ``convert_to_int8`` would convert.
+
+    Every ``nn.Linear`` whose parameters are all frozen, and every bitsandbytes ``Linear8bitLt``, unless it
+    is a LoRA adapter (``lora_`` in its path) or its path or name matches a ``skip`` pattern
+    (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.down_proj"``).
+    """
+    paths = []
+    for path, module in model.named_modules():
+        if not path or any(part.startswith("lora_") for part in path.split(".")) or _skipped(path, skip):
+            continue
+        if _is_bnb_int8(module) or (
+            type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters())
+        ):
+            paths.append(path)
+    return paths
+
+
+def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), threshold: float = 6.0) -> list[str]:
+    """Replace the ``int8_candidates`` with ``Int8Linear`` in place; returns the converted module paths.
+
+    Float layers are quantized like ``Linear8bitLt``; bitsandbytes layers are converted losslessly.
+    """
+    require_bitsandbytes()
+    converted = int8_candidates(model, skip=skip)
+    for path in converted:
+        module = model.get_submodule(path)
+        if _is_bnb_int8(module):
+            replacement = Int8Linear.from_bnb(module)
+        else:
+            replacement = Int8Linear.from_linear(module, threshold=threshold)
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path) if parent_path else model, name, replacement)
+    return converted

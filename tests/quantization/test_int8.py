@@ -1,0 +1,111 @@
+"""Int8Linear against bitsandbytes' own Linear8bitLt, and the converter."""
+
+from __future__ import annotations
+
+import sys
+
+import bitsandbytes as bnb
+import pytest
+import torch
+from torch import nn
+
+from lightning_fsdp_plus.quantization import Int8Linear, check_quantize_base, convert_to_int8, int8_candidates
+from tests.helpers.models import lora_llama
+
+
+def _pair(threshold: float = 6.0):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48)
+    reference = bnb.nn.Linear8bitLt(64, 48, has_fp16_weights=False, threshold=threshold)
+    reference.load_state_dict(linear.state_dict())
+    return linear, reference.to("cpu"), Int8Linear.from_linear(linear, threshold=threshold)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+def test_forward_and_input_grad_equal_linear8bitlt(training, threshold):
+    _, reference, ours = _pair(threshold)
+    reference.train(training)
+    ours.train(training)
+    x = (torch.randn(3, 5, 64) * 4).requires_grad_()  # large values: outlier columns exist at threshold 6
+    x_ours = x.detach().clone().requires_grad_()
+    out_ref, out_ours = reference(x), ours(x_ours)
+    grad = torch.randn_like(out_ref)
+    out_ref.backward(grad)
+    out_ours.backward(grad)
+    torch.testing.assert_close(out_ours, out_ref, rtol=0, atol=0)  # the same kernels: bit-identical
+    torch.testing.assert_close(x_ours.grad, x.grad, rtol=0, atol=0)
+
+
+def test_quantization_error_is_small_and_conversion_from_bnb_is_lossless():
+    linear, reference, ours = _pair()
+    from_bnb = Int8Linear.from_bnb(reference)
+    assert torch.equal(from_bnb.weight, ours.weight) and torch.equal(from_bnb.scale, ours.scale)
+    error = (ours.dequantize() - linear.weight).abs().max().item()
+    assert 0 < error <= linear.weight.abs().max().item() / 127  # at most one quantization step
+
+
+def test_storage_is_plain_frozen_parameters_that_no_float_cast_touches():
+    _, _, ours = _pair()
+    scale = ours.scale.clone()
+    assert [(n, p.dtype, p.requires_grad, type(p)) for n, p in ours.named_parameters()] == [
+        ("weight", torch.int8, False, nn.Parameter),
+        ("weight_scale", torch.int32, False, nn.Parameter),
+        ("bias", torch.float32, False, nn.Parameter),
+    ]
+    ours.to(torch.bfloat16)
+    assert torch.equal(ours.scale, scale)  # fp32 bits survive module.to(bf16)
+    assert ours.bias.dtype == torch.bfloat16
+    assert ours(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_gradients_flow_to_the_input_so_earlier_lora_layers_train():
+    _, _, ours = _pair()
+    x = torch.randn(4, 64, requires_grad=True)
+    ours(x).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    assert all(p.grad is None for p in ours.parameters())
+
+
+def test_converter_skips_lora_adapters_trainable_layers_and_the_lm_head():
+    model = lora_llama(0)
+    candidates = int8_candidates(model)
+    assert candidates and all("lora_" not in c and not c.endswith("lm_head") for c in candidates)
+    assert len(candidates) == 14  # 7 projections x 2 layers
+    assert convert_to_int8(model) == candidates
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 14
+    assert type(model.get_submodule("base_model.model.lm_head")) is nn.Linear
+    assert int8_candidates(model, skip=["lm_head", "*mlp*"]) == []  # nothing left but patterns work
+
+
+def test_skip_patterns():
+    model = lora_llama(0)
+    kept = convert_to_int8(model, skip=["lm_head", "down_proj", "*.layers.0.*"])
+    assert kept and all(".layers.1." in p and not p.endswith("down_proj") for p in kept)
+
+
+def test_converter_converts_transformers_style_linear8bitlt_losslessly():
+    _, reference, ours = _pair()
+    container = nn.Sequential(reference)
+    assert convert_to_int8(container, skip=[]) == ["0"]
+    assert isinstance(container[0], Int8Linear) and torch.equal(container[0].weight, ours.weight)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("nf4", "quantize_base='nf4' is not supported yet: 4-bit weights .* valid choices: None, int8"),
+        ("int6", "quantize_base='int6' is not one of None, int8"),
+    ],
+)
+def test_quantize_base_values(value, message):
+    with pytest.raises(ValueError, match=message):
+        check_quantize_base(value)
+    check_quantize_base(None)
+    check_quantize_base("int8")
+
+
+def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import now raises ImportError
+    with pytest.raises(ImportError, match=r"quantize_base='int8' needs bitsandbytes .* pip install 'bitsandbytes"):
+        check_quantize_base("int8")

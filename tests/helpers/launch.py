@@ -14,7 +14,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _env() -> dict[str, str]:
+def subprocess_env() -> dict[str, str]:
+    """The environment for launched scripts: repository importable, one OpenMP thread, no stale rank."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -31,7 +32,7 @@ def run_script(script: str | Path, *args: str, torchrun: int | None = None, time
     if torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}",
                    "--standalone", str(script), *args]  # fmt: skip
-    proc = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{output[-6000:]}"
     return output

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from lightning_fsdp_plus.memory import model_state_bytes
-from lightning_fsdp_plus.quantization import convert_to_int8
+from lightning_fsdp_plus.quantization import Int8Linear, convert_to_int8
 from tests.conftest import load_case
 from tests.helpers.models import (
     LORA_LLAMA,
@@ -99,3 +99,18 @@ def test_exported_adapter_reproduces_the_sharded_model_on_a_plain_base(strategy_
     sharded_logits = torch.load(out / f"{case}.logits.pt", weights_only=True)
     assert (reloaded - sharded_logits).abs().max().item() <= int8_error  # within the int8 base's own error
     assert (reloaded - base_logits).abs().max().item() > 20 * int8_error  # and the adapter really matters
+
+
+def test_int8_scales_survive_a_bf16_param_policy(strategy_runs):
+    """bf16-mixed: FSDP2 casts float params to bf16 when it all-gathers them; the int8 layer's scale must not be."""
+    result = load_case(strategy_runs[0], "lora_int8_sharded_bf16_mixed")
+    seen = result.rank0["seen_scale"]
+    model = lora_llama(0)
+    convert_to_int8(model)
+    first = next(m for m in model.modules() if isinstance(m, Int8Linear))
+    assert seen["dtype"] == "torch.int32"
+    assert seen["values"] == first.scale.tolist()  # exactly the fp32 scales, not bf16-rounded ones
+    assert seen["input_dtype"] == "torch.bfloat16"  # the forward really ran in bf16
+    losses = load_case(strategy_runs[0], "lora_int8_sharded").rank0["losses"]
+    assert max(abs(a - b) for a, b in zip(result.rank0["losses"], losses, strict=True)) < 0.05
+    assert result.rank0["losses"][-1] < 0.9 * result.rank0["losses"][0]

@@ -192,6 +192,7 @@ def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), thr
             replacement = Int8Linear.from_bnb(module)
         else:
             replacement = Int8Linear.from_linear(module, threshold=threshold)
+        replacement.train(module.training)  # eval layers use bitsandbytes' int8 matmul, training ones dequantize
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path) if parent_path else model, name, replacement)
     return converted

@@ -23,6 +23,7 @@ from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import model_state_bytes
 from lightning_fsdp_plus.memory.accounting import local_bytes
+from lightning_fsdp_plus.quantization import Int8Linear
 from tests.helpers.models import (
     LORA,
     LORA_LLAMA,
@@ -61,6 +62,11 @@ CASES: dict[str, dict] = {
     "lora_int8_replicated": {"strategy": {"lora_only": True, "quantize_base": "int8"}, "lora": "module"},
     "lora_int8_sharded": {"strategy": {"lora_only": False, "quantize_base": "int8", "lora": LORA}, "lora": "strategy"},
     "lora_bf16_replicated": {"strategy": {"lora_only": True}, "lora": "module", "trainer": {"precision": "bf16-true"}},
+    "lora_int8_sharded_bf16_mixed": {
+        "strategy": {"quantize_base": "int8", "lora": LORA},
+        "lora": "strategy",
+        "trainer": {"precision": "bf16-mixed"},
+    },
 }
 LORA_STEPS, LORA_LR = 20, 0.5
 
@@ -76,6 +82,19 @@ class Recorder(Callback):
         self.stepped: list[bool] = []
         self.grad_norms: list[float] = []
         self.frozen_with_grad = 0
+        self.seen_scale: dict | None = None
+
+    def on_train_start(self, trainer, module) -> None:
+        # what an Int8Linear's scale looks like inside forward, after FSDP2's all-gather and mixed precision
+        layer = next((m for m in module.modules() if isinstance(m, Int8Linear)), None)
+        if layer is not None:
+
+            def capture(mod, args, output):
+                if self.seen_scale is None:
+                    self.seen_scale = {"dtype": str(mod.weight_scale.dtype), "values": mod.scale.tolist(),
+                                       "input_dtype": str(args[0].dtype)}  # fmt: skip
+
+            layer.register_forward_hook(capture)
         self._before: float = 0.0
 
     def _sample(self, trainer, module) -> None:
@@ -123,6 +142,7 @@ class Recorder(Callback):
             "frozen_bytes": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
             "trainable_bytes": sum(local_bytes(p) for p in module.parameters() if p.requires_grad),
             "frozen_dtypes": sorted({str(p.dtype) for p in module.parameters() if not p.requires_grad}),
+            "seen_scale": self.seen_scale,
         }
         if find_peft_model(module) is not None:  # adapter in PEFT format + logits of the sharded model
             export_adapter(module, self.out / f"{self.name}.adapter")

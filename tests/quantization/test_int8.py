@@ -109,3 +109,21 @@ def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # import now raises ImportError
     with pytest.raises(ImportError, match=r"quantize_base='int8' needs bitsandbytes .* pip install 'bitsandbytes"):
         check_quantize_base("int8")
+
+
+def test_model_loaded_by_transformers_in_8bit_converts_losslessly(tmp_path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from tests.helpers.models import TokenDataset, tiny_llama
+
+    tiny_llama(0).save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    bnb_layers = {n for n, m in loaded.named_modules() if isinstance(m, bnb.nn.Linear8bitLt)}
+    assert bnb_layers  # transformers really built Linear8bitLt layers
+    probe = TokenDataset(n=2).data
+    with torch.no_grad():
+        before = loaded(input_ids=probe).logits
+        converted = convert_to_int8(loaded)
+        after = loaded(input_ids=probe).logits
+    assert set(converted) == bnb_layers
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

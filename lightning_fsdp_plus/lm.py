@@ -10,6 +10,14 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 
+def target_tokens(batch: Tensor | dict[str, Tensor]) -> int:
+    """Tokens the loss averages over: every next token, minus labels masked with -100."""
+    if isinstance(batch, Tensor):
+        return batch.size(0) * (batch.size(1) - 1)
+    labels = batch.get("labels", batch["input_ids"])
+    return int((labels[:, 1:] != -100).sum())
+
+
 class CausalLMModule(LightningModule):
     """Next-token training of a causal LM whose ``forward(input_ids, labels=...)`` returns ``.loss``.
 
@@ -47,14 +55,47 @@ class CausalLMModule(LightningModule):
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        """Reset the token-weighted held-out loss."""
+        self._val_totals = torch.zeros(2, dtype=torch.float64, device=self.device)
+
     def validation_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Held-out loss, averaged over ranks; perplexity is logged as ``val_perplexity``."""
+        """Accumulate the held-out loss weighted by the number of predicted tokens."""
         loss = self.loss(batch)
-        self.log("val_loss", loss, sync_dist=True, prog_bar=True)
-        self.log("val_perplexity", torch.exp(loss.detach().float()).clamp(max=math.exp(20)), sync_dist=True)
+        tokens = target_tokens(batch)
+        self._val_totals += torch.stack([loss.detach().double() * tokens, torch.tensor(tokens, dtype=torch.float64)])
         return loss
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val_loss`` (mean over every rank's tokens) and ``val_perplexity = exp(val_loss)``."""
+        totals = self.trainer.strategy.reduce(self._val_totals.clone(), reduce_op="sum")
+        mean = (totals[0] / totals[1].clamp(min=1)).float()
+        self.log("val_loss", mean, sync_dist=True, prog_bar=True)
+        self.log("val_perplexity", torch.exp(mean).clamp(max=math.exp(20)), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         """AdamW over the trainable parameters only."""
         params = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas)
+
+
+def build_causal_lm(
+    *, name_or_path: str | None = None, config: dict[str, Any] | None = None, torch_dtype: str | None = None
+) -> nn.Module:
+    """A transformers causal LM: loaded from a directory or hub id, or built from config kwargs.
+
+    ``config`` needs ``model_type`` (e.g. ``llama``) and builds randomly initialised weights; with both,
+    ``config`` entries override the loaded config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, torch_dtype) if torch_dtype else None
+    if name_or_path is not None:
+        overrides = dict(config or {})
+        overrides.pop("model_type", None)
+        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **overrides)
+    if not config or "model_type" not in config:
+        raise ValueError("build_causal_lm: give name_or_path, or config with a model_type (e.g. 'llama')")
+    kwargs = dict(config)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs))
+    return model.to(dtype) if dtype is not None else model

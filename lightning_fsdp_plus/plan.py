@@ -10,13 +10,20 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, EnumMeta
 
 import torch
 from torch import nn
 
 
-class ShardingStrategy(str, Enum):
+class _CaseInsensitiveNames(EnumMeta):
+    """``ShardingStrategy["full_shard"]`` works too: OmegaConf looks enum members up by name this way."""
+
+    def __getitem__(cls, name: str):  # type: ignore[override]
+        return super().__getitem__(name.upper() if isinstance(name, str) else name)
+
+
+class ShardingStrategy(str, Enum, metaclass=_CaseInsensitiveNames):
     """Sharding strategies, with the same names as Lightning's / FSDP1's ``ShardingStrategy``.
 
     How each maps onto FSDP2 (``fully_shard``):
@@ -43,7 +50,7 @@ class ShardingStrategy(str, Enum):
         if isinstance(value, cls):
             return value
         if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
+            return cls[value]
         choices = ", ".join(cls.__members__)
         raise ValueError(f"{key}={value!r} is not one of {choices}")
 

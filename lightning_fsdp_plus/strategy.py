@@ -202,7 +202,9 @@ class FSDPPlusStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called at the end of Trainer.__init__: devices, nodes and precision are known, no process group exists.
         self._mesh_layout = None
-        _ = self.mesh_layout  # validates hybrid_shard_size against the world size
+        if self.hybrid_shard_size is not None:  # a size that cannot divide the world is a mistake in any mode
+            check_hybrid_shard_size(hybrid_shard_size=self.hybrid_shard_size, world_size=self.world_size)
+        _ = self.mesh_layout
         device_type = self.root_device.type if self.parallel_devices else "cpu"
         plugin = self.precision_plugin
         plugin.device = device_type

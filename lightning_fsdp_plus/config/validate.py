@@ -1,0 +1,85 @@
+"""Checks of a composed run config that need more than types: value ranges, paths, cross-key rules.
+
+Each failure is a ``ConfigError`` naming the full key, the bad value and the valid choices; the app prints
+it as one paragraph and exits with status 2, before any process or process group starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning_fsdp_plus.plan import check_hybrid_shard_size
+from lightning_fsdp_plus.precision import check_precision
+from lightning_fsdp_plus.quantization import check_quantize_base
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ConfigError(ValueError):
+    """A config value the run cannot use."""
+
+
+def _devices_count(devices: Any) -> int | None:
+    """Number of processes per node, or None for "auto"; raises ConfigError for anything invalid."""
+    if devices == "auto" or devices == -1:
+        return None
+    if isinstance(devices, str) and devices.strip().isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        return devices
+    if isinstance(devices, (list, tuple)) and devices and all(isinstance(d, int) and d >= 0 for d in devices):
+        return len(devices)
+    raise ConfigError(
+        f"trainer.devices={devices!r} is not valid; choose a positive integer (processes per node),"
+        " a non-empty list of device indices, or 'auto'"
+    )
+
+
+def _device_type(accelerator: str) -> str:
+    return "cuda" if accelerator in ("gpu", "cuda") else "cpu" if accelerator == "cpu" else accelerator
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
+
+
+def check_model(model: Any) -> None:
+    """The model config names something loadable: a local directory with config.json, a hub id, or a config."""
+    name = model.get("name_or_path")
+    if name is None and model.get("config") is None and model.get("_target_") is None:
+        raise ConfigError("model: set one of model.name_or_path, model.config or model._target_")
+    if name is not None and _looks_like_path(str(name)):
+        path = Path(str(name)).expanduser()
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.name_or_path={str(name)!r} is not a directory with a config.json; give a local model"
+                " directory (saved with save_pretrained) or a Hugging Face model id"
+            )
+
+
+def validate_run_config(cfg: Any) -> None:
+    """Raise ConfigError for the first problem found in a composed ``RunSchema`` config."""
+    trainer, strategy = cfg.trainer, cfg.strategy
+    per_node = _devices_count(trainer.devices)
+    if not isinstance(trainer.num_nodes, int) or trainer.num_nodes < 1:
+        raise ConfigError(f"trainer.num_nodes={trainer.num_nodes!r} must be a positive integer")
+    if trainer.gradient_clip_algorithm not in ("norm", "value"):
+        raise ConfigError(
+            f"trainer.gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not one of norm, value"
+        )
+    if strategy.start_method not in START_METHODS:
+        raise ConfigError(f"strategy.start_method={strategy.start_method!r} is not one of {', '.join(START_METHODS)}")
+    if strategy.hybrid_shard_size is not None and per_node is not None:
+        try:
+            check_hybrid_shard_size(
+                hybrid_shard_size=strategy.hybrid_shard_size, world_size=per_node * trainer.num_nodes
+            )
+        except ValueError as err:
+            raise ConfigError(f"strategy.{err} (trainer.devices x trainer.num_nodes)") from None
+    try:
+        check_precision(cfg.precision.name, device_type=_device_type(trainer.accelerator), key="precision.name")
+        check_quantize_base(strategy.quantize_base, key="strategy.quantize_base")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    check_model(cfg.model)

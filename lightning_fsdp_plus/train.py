@@ -1,0 +1,164 @@
+"""``fsdp-plus-train``: fine-tune a causal LM with FSDPPlusStrategy, configured entirely through Hydra.
+
+    fsdp-plus-train                                          # tiny Llama, FULL_SHARD, 2 CPU processes
+    fsdp-plus-train strategy=lora_int8_replicated trainer.max_steps=100
+    fsdp-plus-train model=pretrained model.name_or_path=/models/llama trainer=gpu precision=bf16_mixed
+    fsdp-plus-train -m strategy=full_shard,shard_grad_op,no_shard,hybrid_shard   # or: sweep=sharding
+    python -m lightning_fsdp_plus.train --cfg job                                # print the composed config
+
+Features and the flags that switch them (every key is typed in ``lightning_fsdp_plus.config.schema``):
+
+- sharding: ``strategy=`` full_shard | shard_grad_op | no_shard | hybrid_shard | lora_only |
+  lora_int8_replicated | lora_int8_sharded, fine-tuned with ``strategy.<arg>=...``;
+- LoRA: the lora_* presets fill ``strategy.lora`` from ``conf/lora/default.yaml``
+  (swap: ``lora@strategy.lora=attention``; add to any strategy: ``+lora@strategy.lora=default``);
+- precision: ``precision=`` 32_true | bf16_mixed | bf16_true | 16_mixed | 16_true;
+- model: ``model=tiny_llama`` (built from a config) or ``model=pretrained model.name_or_path=...``;
+- hardware: ``trainer=cpu|gpu|multi_node``, ``trainer.devices=N``;
+- sweeps: ``-m`` or ``sweep=sharding``: each job launches exactly its own ranks (a fresh
+  ``python -m lightning_fsdp_plus.train`` per job, so Lightning's launcher never re-runs the sweep), and
+  the sweep ends with ``sweep_summary.{csv,md,png}`` in the sweep directory.
+
+Each run writes ``metrics.json`` (and checkpoints, logs) into its Hydra run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_fsdp_plus.config import register_configs
+from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
+from lightning_fsdp_plus.metrics import RunMetrics
+from lightning_fsdp_plus.precision import FSDPPlusPrecision
+
+METRICS_FILE = "metrics.json"
+
+
+def build_module(model_cfg: DictConfig) -> Any:
+    """The LightningModule: ``_target_`` with ``kwargs``, else ``CausalLMModule`` around a transformers LM."""
+    from lightning_fsdp_plus.lm import CausalLMModule, build_causal_lm
+
+    if model_cfg.get("_target_"):
+        return instantiate({"_target_": model_cfg._target_, **model_cfg.kwargs}, _convert_="all")
+    config = OmegaConf.to_container(model_cfg.config, resolve=True) if model_cfg.config is not None else None
+    model = build_causal_lm(name_or_path=model_cfg.name_or_path, config=config, torch_dtype=model_cfg.torch_dtype)
+    return CausalLMModule(model, lr=model_cfg.lr, weight_decay=model_cfg.weight_decay)
+
+
+def build_strategy(strategy_cfg: DictConfig) -> Any:
+    """``FSDPPlusStrategy`` from the strategy node (LoRA settings passed as a plain mapping)."""
+    return instantiate(strategy_cfg, _convert_="all")
+
+
+def _instantiate_all(nodes: DictConfig) -> list[Any]:
+    return [instantiate(node, _convert_="all") for node in nodes.values() if node is not None]
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Fit and validate one run on this process's rank; rank 0 writes and returns ``metrics.json``'s content."""
+    seed_everything(cfg.seed, workers=True)
+    output_dir = Path(HydraConfig.get().runtime.output_dir)
+    datamodule = instantiate(cfg.data)
+    module = build_module(cfg.model)
+    run_metrics = RunMetrics(warmup_steps=cfg.warmup_steps_for_timing)
+    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer = Trainer(
+        **trainer_kwargs,
+        strategy=build_strategy(cfg.strategy),
+        plugins=[FSDPPlusPrecision(cfg.precision.name)],  # a plugin, so CPU 16-mixed stays fp16
+        callbacks=[*_instantiate_all(cfg.callbacks), run_metrics],
+        logger=_instantiate_all(cfg.logger) or False,
+        default_root_dir=str(output_dir),
+    )
+    base = trainer.validate(module, datamodule=datamodule, verbose=False)[0] if cfg.validate_before else {}
+    trainer.fit(module, datamodule=datamodule)
+    train_loss = trainer.callback_metrics.get("train_loss")
+    final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    metrics = {
+        "sharding_strategy": trainer.strategy.sharding_strategy.value,
+        "strategy_preset": HydraConfig.get().runtime.choices.get("strategy"),
+        "precision": cfg.precision.name,
+        "lora_only": cfg.strategy.lora_only,
+        "quantize_base": cfg.strategy.quantize_base,
+        "world_size": trainer.world_size,
+        **run_metrics.summary(trainer),
+        "train_loss": float(trainer.strategy.reduce(train_loss.detach(), reduce_op="mean"))
+        if train_loss is not None
+        else None,
+        "val_loss": final.get("val_loss"),
+        "val_perplexity": final.get("val_perplexity"),
+        "base_val_loss": base.get("val_loss"),
+        "base_val_perplexity": base.get("val_perplexity"),
+        "overrides": list(HydraConfig.get().overrides.task),
+    }
+    if trainer.is_global_zero:
+        (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
+        before = f"{metrics['base_val_perplexity']:.2f} -> " if metrics["base_val_perplexity"] else ""
+        rank_zero_info(f"val perplexity {before}{metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
+    return metrics
+
+
+def run_job_in_subprocess() -> dict[str, Any]:
+    """Run this multirun job as a fresh single run, so that it launches exactly its own ranks.
+
+    Lightning's launcher re-executes ``sys.argv`` for the other ranks, which under ``-m`` is the whole sweep
+    (Hydra #2070), and a process that already hosted a job keeps its process group and rank variables.
+    """
+    hydra_cfg = HydraConfig.get()
+    output_dir = hydra_cfg.runtime.output_dir
+    command = [sys.executable, "-m", "lightning_fsdp_plus.train", f"--config-name={hydra_cfg.job.config_name}"]
+    command += [f"--config-dir={s.path}" for s in hydra_cfg.runtime.config_sources if s.provider == "command-line"]
+    command += [
+        *hydra_cfg.overrides.task,
+        f'hydra.run.dir="{output_dir}"',
+        "hydra.mode=RUN",
+        "hydra.output_subdir=null",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    returncode = subprocess.run(command, cwd=hydra_cfg.runtime.cwd, env=env, check=False).returncode
+    if returncode != 0:
+        raise RuntimeError(f"sweep job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) exited with {returncode}")
+    return json.loads((Path(output_dir) / METRICS_FILE).read_text())
+
+
+def run(cfg: DictConfig) -> dict[str, Any] | None:
+    """The task: validate, then train here (single run) or in a fresh process (multirun job)."""
+    try:
+        validate_run_config(cfg)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            return run_job_in_subprocess()
+        return train(cfg)
+    except (ConfigError, InstantiationException) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"Error: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
+        sys.exit(2)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://lightning_fsdp_plus.conf", config_name="config")
+def _hydra_main(cfg: DictConfig) -> dict[str, Any] | None:
+    return run(cfg)
+
+
+def main() -> None:
+    """Console entry point ``fsdp-plus-train``."""
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Every config group composes, every strategy preset instantiates the intended FSDPPlusStrategy, and bad
+keys, types and values fail at compose time with the full key path."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir, initialize_config_module
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from hydra.utils import instantiate
+
+from lightning_fsdp_plus import FSDPPlusStrategy, ShardingStrategy
+from lightning_fsdp_plus.config import register_configs
+from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+
+
+@pytest.fixture(autouse=True)
+def hydra_config_module():
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module("lightning_fsdp_plus.conf", version_base="1.3"):
+        yield
+    GlobalHydra.instance().clear()
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_the_default_config_composes_and_validates():
+    cfg = compose("config")
+    assert cfg.strategy.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
+    assert cfg.precision.name == "32-true"
+    validate_run_config(cfg)
+
+
+@pytest.mark.parametrize("group", ["strategy", "precision", "model", "data", "trainer", "callbacks", "logger"])
+def test_every_option_of_every_group_composes(group):
+    for option in options(group):
+        overrides = [f"{group}={option}"]
+        if (group, option) == ("model", "pretrained"):
+            overrides.append("model.name_or_path=some-org/some-model")
+        cfg = compose("config", overrides=overrides)
+        assert cfg is not None
+
+
+def test_lora_options_fill_strategy_lora_and_experiment_and_sweeps_compose():
+    for option in options("lora"):
+        cfg = compose("config", overrides=["strategy=lora_only", f"lora@strategy.lora={option}"])
+        assert cfg.strategy.lora.r > 0 and cfg.strategy.lora.target_modules
+    cfg = compose("config", overrides=["experiment=tiny_lora_int8"])
+    assert cfg.task_name == "tiny_lora_int8" and cfg.strategy.quantize_base == "int8"
+    for option in options("sweep"):
+        cfg = compose("config", overrides=[f"sweep={option}"], return_hydra_config=True)
+        assert str(cfg.hydra.mode) == "RunMode.MULTIRUN" and "strategy" in cfg.hydra.sweeper.params
+
+
+EXPECTED = {
+    "full_shard": {"sharding_strategy": ShardingStrategy.FULL_SHARD, "lora_only": False, "quantize_base": None},
+    "shard_grad_op": {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP, "lora_only": False, "quantize_base": None},
+    "no_shard": {"sharding_strategy": ShardingStrategy.NO_SHARD, "lora_only": False, "quantize_base": None},
+    "hybrid_shard": {"sharding_strategy": ShardingStrategy.HYBRID_SHARD, "hybrid_shard_size": None},
+    "lora_only": {"sharding_strategy": ShardingStrategy.FULL_SHARD, "lora_only": True, "quantize_base": None},
+    "lora_int8_replicated": {"lora_only": True, "quantize_base": "int8"},
+    "lora_int8_sharded": {"lora_only": False, "quantize_base": "int8"},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_strategy_presets_instantiate_the_intended_strategy(preset):
+    assert sorted(EXPECTED) == options("strategy")
+    cfg = compose("config", overrides=[f"strategy={preset}"])
+    strategy = instantiate(cfg.strategy, _convert_="all")
+    assert isinstance(strategy, FSDPPlusStrategy)
+    for key, value in EXPECTED[preset].items():
+        assert getattr(strategy, key) == value, key
+    if preset.startswith("lora"):
+        assert strategy.lora.r == 8 and set(strategy.lora.target_modules) >= {"q_proj", "down_proj"}
+    else:
+        assert strategy.lora is None
+
+
+@pytest.mark.parametrize(
+    ("override", "exception", "message"),
+    [
+        ("strategy.sharding_strategy=FULLSHARD", ConfigCompositionException,
+         r"Invalid value 'FULLSHARD', expected one of \[FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD\]"),
+        ("strategy.nosuchkey=1", ConfigCompositionException, r"Key 'nosuchkey' not in 'StrategySchema'"),
+        ("strategy.cpu_offload=maybe", ConfigCompositionException, r"Value 'maybe' is not a valid bool"),
+        ("trainer.max_steps=many", ConfigCompositionException, r"Value 'many' of type 'str' could not be converted"),
+        ("precision=fp8", MissingConfigException, r"Could not find 'precision/fp8'"),
+    ],
+)  # fmt: skip
+def test_bad_keys_and_types_fail_at_compose_time_with_the_key_path(override, exception, message):
+    with pytest.raises(exception) as info:
+        compose("config", overrides=[override])
+    text = f"{info.value}\n{info.value.__cause__}"
+    assert re.search(message, text), text
+    if exception is ConfigCompositionException:
+        assert f"full_key: {override.split('=')[0]}" in text
+
+
+def test_sharding_strategy_is_case_insensitive_in_configs_too():
+    cfg = compose("config", overrides=["strategy.sharding_strategy=shard_grad_op"])
+    assert cfg.strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.devices=0"], r"trainer.devices=0 is not valid; choose a positive integer"),
+        (["strategy.hybrid_shard_size=3"],
+         r"strategy.hybrid_shard_size=3 does not divide the world size 2; valid choices: 1, 2"),
+        (["model.name_or_path=/nonexistent/model"],
+         r"model.name_or_path='/nonexistent/model' is not a directory with a config.json"),
+        (["precision.name=fp8"], r"precision.name='fp8' is not supported by fsdp_plus; choose one of 32-true"),
+        (["strategy.quantize_base=nf4"], r"strategy.quantize_base='nf4' is not supported yet"),
+        (["trainer.gradient_clip_algorithm=l2"], r"trainer.gradient_clip_algorithm='l2' is not one of norm, value"),
+    ],
+)  # fmt: skip
+def test_value_rules_raise_config_errors_with_key_and_choices(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_run_config(compose("config", overrides=overrides))
+
+
+def test_a_users_own_app_can_use_our_configs_through_the_searchpath(tmp_path):
+    (tmp_path / "my_app.yaml").write_text(
+        "defaults:\n  - strategy: lora_int8_sharded\n  - _self_\n"
+        "hydra:\n  searchpath:\n    - pkg://lightning_fsdp_plus.conf\n"
+    )
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(tmp_path), version_base="1.3"):
+        cfg = compose("my_app")
+    assert cfg.strategy.quantize_base == "int8" and cfg.strategy.lora.r == 8

@@ -1,0 +1,99 @@
+"""The ``fsdp-plus-train`` Hydra app for real: a 2-process run, a 2-job multirun, and bad input on the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.launch import subprocess_env
+
+CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
+METRIC_KEYS = {"sharding_strategy", "world_size", "peak_bytes_per_rank", "model_state_bytes_per_rank",
+               "step_time_s_median", "tokens_per_s", "train_loss", "val_loss", "val_perplexity"}  # fmt: skip
+QUICK = ["trainer.max_steps=8", "trainer.enable_progress_bar=false", "data.train_size=256", "data.val_size=32"]
+
+
+def run_app(args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lightning_fsdp_plus.train"] if module else [str(CONSOLE_SCRIPT)]
+    return subprocess.run([*command, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
+
+
+def test_single_run_writes_metrics_and_keeps_outputs_in_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_app([*QUICK, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert set(metrics) >= METRIC_KEYS
+    assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == "FULL_SHARD"
+    assert (
+        metrics["model_state_bytes_per_rank"] > 0
+        and metrics["peak_bytes_per_rank"] > metrics["model_state_bytes_per_rank"]
+    )
+    assert metrics["tokens_per_s"] > 0 and metrics["step_time_s_median"] > 0
+    assert math.isclose(metrics["val_perplexity"], math.exp(metrics["val_loss"]), rel_tol=1e-3)
+    assert metrics["val_perplexity"] < metrics["base_val_perplexity"]  # it learned something in 8 steps
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert (run_dir / "csv").is_dir() and (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written to the working directory
+
+
+def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    args = ["-m", "strategy=full_shard,shard_grad_op", "trainer.devices=2", *QUICK, f"hydra.sweep.dir={sweep_dir}"]
+    proc = run_app(args, cwd=tmp_path, module=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert [p.name.split("_", 1)[0] for p in jobs] == ["0", "1"]  # exactly one job per value
+    strategies = []
+    for job in jobs:
+        metrics = json.loads((job / "metrics.json").read_text())
+        assert metrics["world_size"] == 2 and (job / "train_ddp_process_1.log").exists()
+        strategies.append(metrics["sharding_strategy"])
+    assert strategies == ["FULL_SHARD", "SHARD_GRAD_OP"]
+    assert proc.stdout.count("Launching 2 jobs locally") + proc.stderr.count("Launching 2 jobs locally") == 1
+    csv_lines = (sweep_dir / "sweep_summary.csv").read_text().splitlines()
+    assert len(csv_lines) == 3 and csv_lines[0].startswith("job,strategy_preset,sharding_strategy")
+    assert "| SHARD_GRAD_OP |" in (sweep_dir / "sweep_summary.md").read_text()
+    import matplotlib.image
+
+    image = matplotlib.image.imread(sweep_dir / "sweep_summary.png")
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 400
+
+
+BAD_INPUT = {
+    "strategy.sharding_strategy=FULLSHARD": ("strategy.sharding_strategy", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD"),
+    "strategy.nosuchkey=1": ("strategy.nosuchkey", "not in 'StrategySchema'"),
+    "precision=fp8": ("precision/fp8", "bf16_mixed"),
+    "trainer.devices=0": ("trainer.devices=0", "a positive integer"),
+    "strategy.hybrid_shard_size=3": ("strategy.hybrid_shard_size=3", "valid choices: 1, 2"),
+    "model.name_or_path=/nonexistent/dir": ("model.name_or_path='/nonexistent/dir'", "a local model directory"),
+}
+
+
+def test_bad_input_exits_non_zero_with_a_short_error_naming_key_and_choices(tmp_path):
+    procs = {override: subprocess.Popen([str(CONSOLE_SCRIPT), override, "trainer.max_steps=1"], cwd=tmp_path,
+                                        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for override in BAD_INPUT}  # fmt: skip
+    for override, proc in procs.items():
+        out, err = proc.communicate(timeout=300)
+        text = out + err
+        assert proc.returncode != 0, override
+        key, choices = BAD_INPUT[override]
+        assert key in text and choices in text, text
+        assert "Traceback" not in text, text  # one paragraph, not a stack trace
+        assert len([line for line in text.splitlines() if line.strip() and "Warning" not in line]) <= 15, text
+    assert not list(tmp_path.rglob("metrics.json")) and not list(tmp_path.rglob("checkpoints"))  # nothing trained
+
+
+@pytest.mark.parametrize("flag", ["--help"])
+def test_help_lists_the_config_groups(tmp_path, flag):
+    proc = run_app([flag], cwd=tmp_path)
+    assert proc.returncode == 0
+    for group in ("strategy:", "precision:", "model:", "trainer:", "sweep:"):
+        assert group in proc.stdout

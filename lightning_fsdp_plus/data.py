@@ -1,10 +1,25 @@
-"""Data modules for the ``fsdp-plus-train`` app."""
+"""Data modules for the ``fsdp-plus-train`` app: synthetic sequences, and instruction datasets.
+
+``InstructionDataModule`` reads local JSONL/JSON/CSV/Parquet files (or a ``datasets`` dataset from the
+local cache) with Hugging Face ``datasets``, renders each example with a prompt template, tokenizes it,
+masks the prompt out of the loss (labels -100), and optionally packs examples into fixed-length blocks.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
+
+PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
+"""Alpaca-style prompt for examples without an input."""
+PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+"""Alpaca-style prompt for examples with an input."""
+_BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
 class ArithmeticSequences(Dataset):
@@ -59,3 +74,146 @@ class SyntheticLMDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in a fixed order."""
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
+
+
+def load_records(
+    *, files: Sequence[str] | None = None, dataset_name: str | None = None, split: str = "train"
+) -> list[dict[str, Any]]:
+    """Rows of local JSONL/JSON/CSV/Parquet files (one format per call), or of a cached ``datasets`` split."""
+    import datasets
+
+    if dataset_name is not None:
+        return list(datasets.load_dataset(dataset_name, split=split))
+    if not files:
+        raise ValueError("data: give train_files/val_files or dataset_name")
+    suffixes = {Path(f).suffix.lower() for f in files}
+    missing = [f for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"data files not found: {missing}")
+    if len(suffixes) != 1 or next(iter(suffixes)) not in _BUILDERS:
+        raise ValueError(f"data files {list(files)} must share one of the suffixes {', '.join(_BUILDERS)}")
+    builder = _BUILDERS[suffixes.pop()]
+    return list(datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train"))
+
+
+def render_prompt(record: dict[str, Any], *, instruction_field: str = "instruction", input_field: str = "input") -> str:
+    """The prompt for one example (with the input section only when the example has an input)."""
+    extra = record.get(input_field)
+    template = PROMPT_WITH_INPUT_TEMPLATE if extra else PROMPT_TEMPLATE
+    return template.format(instruction=record[instruction_field], input=extra or "")
+
+
+def tokenize_example(
+    record: dict[str, Any],
+    tokenizer: Any,
+    *,
+    max_seq_len: int,
+    mask_prompt: bool = True,
+    response_field: str = "response",
+) -> dict[str, list[int]]:
+    """``input_ids`` and ``labels`` for prompt + response + EOS; prompt labels are -100 when masked."""
+    prompt = tokenizer(render_prompt(record), add_special_tokens=False)["input_ids"]
+    response = tokenizer(str(record[response_field]), add_special_tokens=False)["input_ids"]
+    response = [*response, tokenizer.eos_token_id]
+    ids = (prompt + response)[:max_seq_len]
+    labels = ([-100] * len(prompt) if mask_prompt else list(prompt)) + response
+    return {"input_ids": ids, "labels": labels[:max_seq_len]}
+
+
+def pack(examples: Sequence[dict[str, list[int]]], *, block_size: int) -> list[dict[str, list[int]]]:
+    """Concatenate tokenized examples and cut the stream into ``block_size`` blocks (the tail is dropped)."""
+    ids = [t for e in examples for t in e["input_ids"]]
+    labels = [t for e in examples for t in e["labels"]]
+    return [
+        {"input_ids": ids[i : i + block_size], "labels": labels[i : i + block_size]}
+        for i in range(0, len(ids) - block_size + 1, block_size)
+    ]
+
+
+class _Tokenized(Dataset):
+    def __init__(self, rows: list[dict[str, list[int]]]) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.rows[i]
+
+
+class PadCollator:
+    """Right-pads a batch to its longest sequence; padding gets attention 0 and label -100."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+        width = max(len(b["input_ids"]) for b in batch)
+        pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
+        return {
+            "input_ids": torch.tensor([pad(b["input_ids"], self.pad_token_id) for b in batch]),
+            "attention_mask": torch.tensor([pad([1] * len(b["input_ids"]), 0) for b in batch]),
+            "labels": torch.tensor([pad(b["labels"], -100) for b in batch]),
+        }
+
+
+class InstructionDataModule(LightningDataModule):
+    """Instruction tuning data: ``{instruction, input?, response}`` records, prompt-masked and tokenized.
+
+    Arguments:
+        tokenizer: Tokenizer directory or hub id (``AutoTokenizer``), usually the model's.
+        train_files: Local JSONL/JSON/CSV/Parquet files for training.
+        val_files: Local files for held-out evaluation.
+        dataset_name: A ``datasets`` dataset (local cache) used instead of files.
+        train_split: Split of ``dataset_name`` for training.
+        val_split: Split of ``dataset_name`` for evaluation.
+        batch_size: Sequences per rank per step.
+        max_seq_len: Tokens per example (longer ones are truncated) or per packed block.
+        mask_prompt: Leave prompt tokens out of the loss (labels -100).
+        pack: Concatenate training examples into ``max_seq_len`` blocks (no padding).
+        num_workers: DataLoader workers per rank.
+    """
+
+    def __init__(
+        self,
+        *,
+        tokenizer: str,
+        train_files: Sequence[str] | None = None,
+        val_files: Sequence[str] | None = None,
+        dataset_name: str | None = None,
+        train_split: str = "train",
+        val_split: str = "validation",
+        batch_size: int = 8,
+        max_seq_len: int = 256,
+        mask_prompt: bool = True,
+        pack: bool = False,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.batch_size, self.num_workers = batch_size, num_workers
+        self.train_records = load_records(files=train_files, dataset_name=dataset_name, split=train_split)
+        self.val_records = load_records(files=val_files, dataset_name=dataset_name, split=val_split)
+        encode = lambda r: tokenize_example(r, self.tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)  # noqa: E731
+        train = [encode(r) for r in self.train_records]
+        self.train_set = _Tokenized(pack(train, block_size=max_seq_len) if pack else train)
+        self.val_set = _Tokenized([encode(r) for r in self.val_records])
+        self.collate = PadCollator(self.tokenizer.pad_token_id)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches."""
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
+                          num_workers=self.num_workers)  # fmt: skip
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out batches in file order."""
+        return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self.collate,
+                          num_workers=self.num_workers)  # fmt: skip
+
+    def generation_prompts(self, n: int) -> list[dict[str, str]]:
+        """The first ``n`` held-out examples as ``{prompt, reference}`` for generation."""
+        return [{"prompt": render_prompt(r), "reference": str(r["response"])} for r in self.val_records[:n]]

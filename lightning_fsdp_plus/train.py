@@ -19,7 +19,9 @@ Features and the flags that switch them (every key is typed in ``lightning_fsdp_
   ``python -m lightning_fsdp_plus.train`` per job, so Lightning's launcher never re-runs the sweep), and
   the sweep ends with ``sweep_summary.{csv,md,png}`` in the sweep directory.
 
-Each run writes ``metrics.json`` (and checkpoints, logs) into its Hydra run directory.
+Each run writes ``metrics.json`` (and checkpoints, logs) into its Hydra run directory; LoRA runs also save
+``adapter/`` (PEFT format), and instruction-data runs ``generations.jsonl`` (greedy answers to held-out
+prompts from the sharded model).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +45,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fsdp_plus.config import register_configs
 from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
+from lightning_fsdp_plus.generate import greedy_generate
+from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.metrics import RunMetrics
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
 
 METRICS_FILE = "metrics.json"
+GENERATIONS_FILE = "generations.jsonl"
 
 
 def build_module(model_cfg: DictConfig) -> Any:
@@ -85,9 +91,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         default_root_dir=str(output_dir),
     )
     base = trainer.validate(module, datamodule=datamodule, verbose=False)[0] if cfg.validate_before else {}
+    started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule)
+    fit_seconds = time.perf_counter() - started
     train_loss = trainer.callback_metrics.get("train_loss")
     final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    adapter_dir = output_dir / "adapter"
+    if cfg.export_adapter and find_peft_model(module) is not None:
+        export_adapter(trainer.strategy.model, adapter_dir)  # every rank gathers, rank 0 writes
+    if cfg.generate.num_prompts > 0 and hasattr(datamodule, "generation_prompts"):
+        write_generations(trainer, datamodule, output_dir / GENERATIONS_FILE, cfg.generate)
     metrics = {
         "sharding_strategy": trainer.strategy.sharding_strategy.value,
         "strategy_preset": HydraConfig.get().runtime.choices.get("strategy"),
@@ -95,6 +108,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "lora_only": cfg.strategy.lora_only,
         "quantize_base": cfg.strategy.quantize_base,
         "world_size": trainer.world_size,
+        "fit_time_s": fit_seconds,
         **run_metrics.summary(trainer),
         "train_loss": float(trainer.strategy.reduce(train_loss.detach(), reduce_op="mean"))
         if train_loss is not None
@@ -104,12 +118,33 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "base_val_loss": base.get("val_loss"),
         "base_val_perplexity": base.get("val_perplexity"),
         "overrides": list(HydraConfig.get().overrides.task),
+        "adapter_dir": str(adapter_dir) if adapter_dir.exists() else None,
     }
     if trainer.is_global_zero:
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
         before = f"{metrics['base_val_perplexity']:.2f} -> " if metrics["base_val_perplexity"] else ""
         rank_zero_info(f"val perplexity {before}{metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
     return metrics
+
+
+def write_generations(trainer: Trainer, datamodule: Any, path: Path, settings: DictConfig) -> None:
+    """Answer held-out prompts greedily with the sharded model (all ranks decode together); rank 0 writes."""
+    prompts = datamodule.generation_prompts(settings.num_prompts)
+    model = trainer.strategy.model
+    model.eval()
+    answers = greedy_generate(
+        lambda ids: model(input_ids=ids).logits,
+        datamodule.tokenizer,
+        [p["prompt"] for p in prompts],
+        max_new_tokens=settings.max_new_tokens,
+        device=trainer.strategy.root_device,
+    )
+    if trainer.is_global_zero:
+        rows = [{**p, "generated": a} for p, a in zip(prompts, answers, strict=True)]
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        for row in rows:
+            question = row["prompt"].split("### Instruction:\n", 1)[-1].split("\n", 1)[0]
+            rank_zero_info(f"Q: {question}\n   A: {row['generated']}")
 
 
 def run_job_in_subprocess() -> dict[str, Any]:

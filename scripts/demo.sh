@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Set up (first run) and run the main job: a LoRA fine-tune of a tiny Llama on an int8 base, fsdp_plus on
-# 2 CPU processes, configured through Hydra (extra arguments are Hydra overrides, e.g. trainer.max_steps=200).
+# Set up (first run) and run the main job: the medical LoRA fine-tune of the shipped tiny Llama, LoRA on an
+# int8 base, fsdp_plus on 2 CPU processes, configured through Hydra. Extra arguments are Hydra overrides,
+# e.g. `bash scripts/demo.sh experiment=legal_lora` or `bash scripts/demo.sh trainer.max_steps=500`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-exec .venv/bin/fsdp-plus-train experiment=tiny_lora_int8 "$@"
+exec .venv/bin/fsdp-plus-train experiment=medical_lora "$@"

@@ -1,24 +1,28 @@
 """Structured configs (schemas) and their ConfigStore registration."""
 
 from lightning_fsdp_plus.config.schema import (
-    DataSchema,
+    GenerateSchema,
+    InstructionDataSchema,
     LoraSchema,
     ModelSchema,
     PrecisionSchema,
     RunSchema,
     StrategySchema,
+    SyntheticDataSchema,
     TrainerSchema,
 )
 from lightning_fsdp_plus.config.store import RUN_SCHEMA, register_configs
 
 __all__ = [
     "RUN_SCHEMA",
-    "DataSchema",
+    "GenerateSchema",
+    "InstructionDataSchema",
     "LoraSchema",
     "ModelSchema",
     "PrecisionSchema",
     "RunSchema",
     "StrategySchema",
+    "SyntheticDataSchema",
     "TrainerSchema",
     "register_configs",
 ]

@@ -13,7 +13,7 @@ from typing import Any
 
 from lightning_fsdp_plus.plan import ShardingStrategy
 
-# OmegaConf 2.3 reads these annotations at runtime: keep typing.Optional / Any (no PEP 604 unions).
+# OmegaConf reads these annotations at runtime (X | None and builtin generics resolve on Python >= 3.10).
 
 
 @dataclass
@@ -103,8 +103,8 @@ class ModelSchema:
 
 
 @dataclass
-class DataSchema:
-    """Training and validation data (see ``lightning_fsdp_plus.data``)."""
+class SyntheticDataSchema:
+    """In-memory arithmetic sequences (``lightning_fsdp_plus.data.SyntheticLMDataModule``)."""
 
     _target_: str = "lightning_fsdp_plus.data.SyntheticLMDataModule"
     """The LightningDataModule class."""
@@ -122,6 +122,46 @@ class DataSchema:
     """DataLoader workers per rank."""
     seed: int = 1
     """Seed of the synthetic sequences."""
+
+
+@dataclass
+class InstructionDataSchema:
+    """Instruction datasets (``lightning_fsdp_plus.data.InstructionDataModule``)."""
+
+    _target_: str = "lightning_fsdp_plus.data.InstructionDataModule"
+    """The LightningDataModule class."""
+    tokenizer: str = "${model.name_or_path}"
+    """Tokenizer directory or hub id; the model's by default."""
+    train_files: list[str] | None = None
+    """Local JSONL/JSON/CSV/Parquet training files ({instruction, input?, response} records)."""
+    val_files: list[str] | None = None
+    """Local held-out files."""
+    dataset_name: str | None = None
+    """A Hugging Face ``datasets`` dataset in the local cache, used instead of files."""
+    train_split: str = "train"
+    """Training split of dataset_name."""
+    val_split: str = "validation"
+    """Held-out split of dataset_name."""
+    batch_size: int = 8
+    """Sequences per rank per step."""
+    max_seq_len: int = 256
+    """Truncation length, or the block length when packing."""
+    mask_prompt: bool = True
+    """Leave prompt tokens out of the loss."""
+    pack: bool = False
+    """Pack training examples into max_seq_len blocks."""
+    num_workers: int = 0
+    """DataLoader workers per rank."""
+
+
+@dataclass
+class GenerateSchema:
+    """Greedy generation from the sharded model after training (instruction data only)."""
+
+    num_prompts: int = 4
+    """Held-out prompts to answer (0: none); answers go to generations.jsonl in the run directory."""
+    max_new_tokens: int = 48
+    """Tokens generated per answer at most."""
 
 
 @dataclass
@@ -168,8 +208,8 @@ class RunSchema:
     """Precision preset."""
     model: ModelSchema = field(default_factory=ModelSchema)
     """The model."""
-    data: DataSchema = field(default_factory=DataSchema)
-    """The data."""
+    data: Any = None
+    """The data module node; each data/ preset takes its schema from the ConfigStore group data_schema."""
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     """Trainer arguments."""
     callbacks: dict[str, Any] = field(default_factory=dict)
@@ -184,3 +224,7 @@ class RunSchema:
     """Validate once before training (the 'before' perplexity)."""
     warmup_steps_for_timing: int = 2
     """Steps left out of the step-time median."""
+    export_adapter: bool = True
+    """Save the LoRA adapter in PEFT format to <run dir>/adapter when the model has one."""
+    generate: GenerateSchema = field(default_factory=GenerateSchema)
+    """Generation after training."""

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from lightning_fsdp_plus.config.schema import RunSchema
+from lightning_fsdp_plus.config.schema import InstructionDataSchema, RunSchema, SyntheticDataSchema
 
 RUN_SCHEMA = "fsdp_plus_run_schema"
 """ConfigStore name of the run schema; ``conf/config.yaml`` lists it first in its defaults."""
 
 
 def register_configs() -> None:
-    """Store the run schema so YAML presets are validated against it (idempotent)."""
-    ConfigStore.instance().store(name=RUN_SCHEMA, node=RunSchema)
+    """Store the run schema, and the data schemas that data/ presets extend (idempotent)."""
+    store = ConfigStore.instance()
+    store.store(name=RUN_SCHEMA, node=RunSchema)
+    store.store(group="data_schema", name="synthetic", node=SyntheticDataSchema)
+    store.store(group="data_schema", name="instruction", node=InstructionDataSchema)

@@ -83,3 +83,12 @@ def validate_run_config(cfg: Any) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_model(cfg.model)
+    check_data_files(cfg.data)
+
+
+def check_data_files(data: Any) -> None:
+    """Every listed data file exists (relative paths are relative to the working directory)."""
+    for key in ("train_files", "val_files"):
+        missing = [f for f in (data.get(key) or []) if not Path(str(f)).expanduser().is_file()]
+        if missing:
+            raise ConfigError(f"data.{key}: {missing} not found (relative to {Path.cwd()})")

@@ -1,0 +1,64 @@
+"""The shipped example data and tiny base: sizes, provenance, and reproducibility of the generating scripts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.launch import REPO, subprocess_env
+
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+
+@pytest.mark.parametrize("domain", ["medical_lora", "legal_lora"])
+def test_datasets_are_big_enough_disjoint_and_documented(domain):
+    rows = {split: [json.loads(line) for line in (EXAMPLES / domain / "data" / f"{split}.jsonl").open()]
+            for split in ("train", "val")}  # fmt: skip
+    assert len(rows["train"]) >= 300 and len(rows["val"]) >= 60
+    for row in rows["train"] + rows["val"]:
+        assert set(row) <= {"instruction", "input", "response"} and row["instruction"] and row["response"]
+    as_key = lambda r: (r["instruction"], r.get("input"))  # noqa: E731
+    assert not {as_key(r) for r in rows["train"]} & {as_key(r) for r in rows["val"]}
+    readme = (EXAMPLES / domain / "README.md").read_text()
+    assert "Provenance" in readme and "License" in readme and "CC0" in readme
+
+
+def test_the_generator_reproduces_the_shipped_files():
+    import make_datasets
+
+    for domain, rows, seed in (("medical_lora", make_datasets.medical_examples(), 11),
+                               ("legal_lora", make_datasets.legal_examples(), 12)):  # fmt: skip
+        train, val = make_datasets.split(rows, seed=seed)
+        for split, expected in (("train", train), ("val", val)):
+            shipped = [json.loads(line) for line in (EXAMPLES / domain / "data" / f"{split}.jsonl").open()]
+            assert shipped == expected
+    assert (EXAMPLES / "assets" / "corpus.txt").read_text() == make_datasets.corpus()
+
+
+def test_the_tiny_base_is_small_and_loads():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = EXAMPLES / "assets" / "tiny-llama"
+    assert sum(p.stat().st_size for p in base.iterdir()) <= 20 * 2**20
+    model = AutoModelForCausalLM.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    assert model.config.model_type == "llama" and len(tokenizer) == model.config.vocab_size
+    assert tokenizer.decode(tokenizer("Doctors describe gout.")["input_ids"]) == "Doctors describe gout."
+
+
+def test_rebuilding_the_tiny_base_reproduces_it(tmp_path):
+    """Same config, same tokenizer, held-out loss within 5% (about a minute on one core)."""
+    shipped = EXAMPLES / "assets" / "tiny-llama"
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "assets" / "build_tiny_base.py"), "--out", str(tmp_path)],
+                          env=subprocess_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
+    assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((shipped / "tokenizer.json").read_text())
+    rebuilt = json.loads((tmp_path / "build_info.json").read_text())
+    recorded = json.loads((shipped / "build_info.json").read_text())
+    assert rebuilt["eval_loss"] == pytest.approx(recorded["eval_loss"], rel=0.05)
+    assert rebuilt["final_train_loss"] == pytest.approx(recorded["final_train_loss"], rel=0.05)

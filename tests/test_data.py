@@ -1,0 +1,92 @@
+"""Instruction data: file formats through ``datasets``, prompt templates, prompt masking, packing, padding."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+
+from lightning_fsdp_plus.data import (
+    InstructionDataModule,
+    PadCollator,
+    load_records,
+    pack,
+    render_prompt,
+    tokenize_example,
+)
+from tests.helpers.launch import REPO
+
+TOKENIZER = str(REPO / "examples" / "assets" / "tiny-llama")
+VAL = REPO / "examples" / "medical_lora" / "data" / "val.jsonl"
+
+
+@pytest.fixture(scope="module")
+def module() -> InstructionDataModule:
+    return InstructionDataModule(tokenizer=TOKENIZER, train_files=[str(VAL)], val_files=[str(VAL)], max_seq_len=96)
+
+
+def test_prompt_template_with_and_without_input():
+    assert render_prompt({"instruction": "Define tort."}) == "### Instruction:\nDefine tort.\n\n### Response:\n"
+    assert render_prompt({"instruction": "Which?", "input": "a, b"}) == (
+        "### Instruction:\nWhich?\n\n### Input:\na, b\n\n### Response:\n"
+    )
+
+
+def test_prompt_tokens_are_masked_and_the_response_ends_with_eos(module):
+    record = {"instruction": "What causes gout?", "response": "Uric acid crystals."}
+    example = tokenize_example(record, module.tokenizer, max_seq_len=96)
+    prompt_len = len(module.tokenizer(render_prompt(record), add_special_tokens=False)["input_ids"])
+    assert example["labels"][:prompt_len] == [-100] * prompt_len
+    assert example["labels"][prompt_len:] == example["input_ids"][prompt_len:]
+    assert example["input_ids"][-1] == module.tokenizer.eos_token_id
+    assert module.tokenizer.decode(example["input_ids"][prompt_len:-1]) == "Uric acid crystals."
+    unmasked = tokenize_example(record, module.tokenizer, max_seq_len=96, mask_prompt=False)
+    assert unmasked["labels"] == unmasked["input_ids"]
+    assert len(tokenize_example(record, module.tokenizer, max_seq_len=5)["input_ids"]) == 5
+
+
+def test_packing_makes_full_blocks_without_losing_label_alignment():
+    examples = [{"input_ids": list(range(i, i + 7)), "labels": [-100, *range(i + 1, i + 7)]} for i in range(0, 50, 10)]
+    blocks = pack(examples, block_size=8)
+    assert len(blocks) == 35 // 8 and all(len(b["input_ids"]) == len(b["labels"]) == 8 for b in blocks)
+    assert blocks[0]["input_ids"][:8] == [0, 1, 2, 3, 4, 5, 6, 10]
+    assert blocks[0]["labels"][7] == -100  # the next example's first (prompt) token stays masked
+
+
+def test_collator_pads_with_pad_id_no_attention_and_ignored_labels():
+    batch = PadCollator(pad_token_id=9)([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+                                         {"input_ids": [4], "labels": [4]}])  # fmt: skip
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
+
+
+def test_jsonl_csv_and_parquet_and_a_local_dataset_give_the_same_records(tmp_path):
+    records = load_records(files=[str(VAL)])
+    table = datasets.Dataset.from_list(records)
+    table.to_csv(str(tmp_path / "val.csv"), index=False)
+    table.to_parquet(str(tmp_path / "val.parquet"))
+    assert load_records(files=[str(tmp_path / "val.parquet")]) == records
+    from_csv = load_records(files=[str(tmp_path / "val.csv")])
+    assert [r["response"] for r in from_csv] == [r["response"] for r in records]
+    folder = tmp_path / "local_dataset"
+    folder.mkdir()
+    (folder / "validation.jsonl").write_text(VAL.read_text())
+    assert load_records(dataset_name=str(folder), split="validation") == records
+
+
+def test_bad_files_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data files not found"):
+        load_records(files=[str(tmp_path / "nope.jsonl")])
+    (tmp_path / "a.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"must share one of the suffixes \.jsonl, \.json, \.csv, \.parquet"):
+        load_records(files=[str(tmp_path / "a.txt")])
+
+
+def test_module_batches_and_generation_prompts(module):
+    batch = next(iter(module.val_dataloader()))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"} and batch["input_ids"].shape[0] == 8
+    prompts = module.generation_prompts(2)
+    first = json.loads(VAL.read_text().splitlines()[0])
+    assert prompts[0] == {"prompt": render_prompt(first), "reference": first["response"]}

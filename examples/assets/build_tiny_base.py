@@ -21,8 +21,15 @@ ASSETS = Path(__file__).resolve().parent
 EOS, PAD = "<|endoftext|>", "<pad>"
 MODEL = {"hidden_size": 128, "intermediate_size": 352, "num_hidden_layers": 4, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 256, "tie_word_embeddings": True}  # fmt: skip
-TRAIN = {"vocab_size": 512, "seq_len": 128, "batch_size": 16, "lr": 3e-3, "steps": 300, "seed": 0,
-         "eval_every_nth_line": 20}
+TRAIN = {
+    "vocab_size": 512,
+    "seq_len": 128,
+    "batch_size": 16,
+    "lr": 3e-3,
+    "steps": 300,
+    "seed": 0,
+    "eval_every_nth_line": 20,
+}
 
 
 def train_tokenizer(text: str, *, vocab_size: int):

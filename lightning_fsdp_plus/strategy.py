@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -19,6 +21,14 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_fsdp_plus.checkpoint import (
+    is_sharded_checkpoint,
+    load_full,
+    load_sharded,
+    save_full,
+    save_sharded,
+    state_dict_options,
+)
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters, make_lora_config
 from lightning_fsdp_plus.plan import (
@@ -80,6 +90,11 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             computed with bitsandbytes' LLM.int8 kernels; ``None`` (default) keeps the base as it is.
         quantize_skip: Module names or ``fnmatch`` path patterns left unquantized (default: the LM head).
         int8_threshold: LLM.int8 outlier threshold for newly quantized layers (bitsandbytes' ``threshold``).
+        state_dict_type: ``"sharded"`` (default): a torch.distributed.checkpoint directory every rank writes
+            its shards to, loadable at any world size and sharding strategy; ``"full"``: one consolidated file
+            written by rank 0 (gathered one tensor at a time onto CPU).
+        save_trainable_only: Leave frozen parameters (the base, int8 included) out of checkpoints; they are
+            rebuilt by the LightningModule on resume. ``None`` (default): on when frozen parameters exist.
         use_orig_params: Must be ``True``: FSDP2 always keeps the original parameters (names, ``requires_grad``).
         log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` every optimizer step.
         start_method: ``"popen"`` (default: re-run the script for each rank, like ``ddp``), or a
@@ -105,6 +120,8 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         quantize_base: str | None = None,
         quantize_skip: Sequence[str] = ("lm_head",),
         int8_threshold: float = 6.0,
+        state_dict_type: Literal["sharded", "full"] = "sharded",
+        save_trainable_only: bool | None = None,
         use_orig_params: bool = True,
         log_grad_norm: bool = True,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
@@ -130,6 +147,8 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         check_quantize_base(quantize_base)
         if isinstance(quantize_skip, str):
             raise ValueError(f"quantize_skip={quantize_skip!r} must be a list of module names or patterns")
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not one of sharded, full")
         if start_method not in _START_METHODS:
             raise ValueError(f"start_method={start_method!r} is not one of {', '.join(_START_METHODS)}")
         self.hybrid_shard_size = hybrid_shard_size
@@ -145,6 +164,8 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         self.quantize_base = quantize_base
         self.quantize_skip = list(quantize_skip)
         self.int8_threshold = int8_threshold
+        self.state_dict_type = state_dict_type
+        self.save_trainable_only = save_trainable_only
         self._mesh_layout: MeshLayout | None = None
         self._sharding_plan: ShardingPlan | None = None
 
@@ -312,6 +333,80 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             ignored_params=self._replicated_params(model),
             activation_checkpointing=[n for n, m in model.named_modules() if n and isinstance(m, tuple(checkpointed))],
         )
+
+    # ------------------------------------------------------------------ checkpoints (see checkpoint.py)
+    @property
+    def trainable_only(self) -> bool:
+        """Whether checkpoints leave frozen parameters out (``save_trainable_only``, or auto)."""
+        if self.save_trainable_only is not None:
+            return self.save_trainable_only
+        assert self.model is not None
+        return any(not p.requires_grad for p in self.model.parameters())
+
+    def _state_options(self) -> Any:
+        return state_dict_options(full=self.state_dict_type == "full", trainable_only=self.trainable_only)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=self._state_options())
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer),
+                                        options=self._state_options())  # fmt: skip
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("FSDPPlusStrategy.save_checkpoint does not take storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        checkpoint["fsdp_plus"] = {
+            "state_dict_type": self.state_dict_type,
+            "trainable_only": self.trainable_only,
+            "sharding_strategy": self.sharding_strategy.value,
+            "world_size": self.world_size,
+        }
+        if self.state_dict_type == "full":
+            save_full(path, checkpoint=checkpoint)
+            return
+        model_state = checkpoint.pop("state_dict")
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        save_sharded(path, model_state=model_state, optimizer_states=optimizer_states, metadata=checkpoint)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        assert self.model is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if is_sharded_checkpoint(path):
+            saved = torch.load(path / "meta.pt", weights_only=False).get("fsdp_plus", {})
+            return load_sharded(path, model=self.model, optimizers=self.optimizers,
+                                trainable_only=saved.get("trainable_only", False))  # fmt: skip
+        checkpoint = load_full(path)
+        trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
+        options = StateDictOptions(full_state_dict=True, strict=not trainable_only)
+        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
+        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=False):
+            set_optimizer_state_dict(self.model, optimizer, state, options=options)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
+        sidecar = Path(f"{filepath}.sha256")
+        if self.is_global_zero and sidecar.is_file():
+            sidecar.unlink()
 
     # ------------------------------------------------------------------ steps run through the root's FSDP hooks
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:

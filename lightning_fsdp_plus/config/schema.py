@@ -64,6 +64,10 @@ class StrategySchema:
     """Layer names or fnmatch path patterns left unquantized."""
     int8_threshold: float = 6.0
     """LLM.int8 outlier threshold."""
+    state_dict_type: str = "sharded"
+    """Checkpoint format: sharded (torch.distributed.checkpoint directory) or full (one file from rank 0)."""
+    save_trainable_only: bool | None = None
+    """Leave frozen parameters out of checkpoints (null: when frozen parameters exist)."""
     use_orig_params: bool = True
     """Must be true (FSDP2 always keeps original parameters)."""
     log_grad_norm: bool = True

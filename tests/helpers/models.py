@@ -184,13 +184,13 @@ LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": LORA_TARGETS}
 LORA_LLAMA = {"hidden": 256, "intermediate": 512}  # linear layers dominate, as in real LLMs
 
 
-def lora_llama(seed: int = 0):
+def lora_llama(seed: int = 0, r: int = LORA["r"]):
     """The LoRA test model: a Llama whose linear layers dominate, with PEFT LoRA on all projections."""
     from peft import get_peft_model
 
     from lightning_fsdp_plus.lora import make_lora_config
 
-    return get_peft_model(tiny_llama(seed, **LORA_LLAMA), make_lora_config(LORA))
+    return get_peft_model(tiny_llama(seed, **LORA_LLAMA), make_lora_config({**LORA, "r": r, "alpha": 2 * r}))
 
 
 class StridedSampler(Sampler):

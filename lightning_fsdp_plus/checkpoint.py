@@ -1,0 +1,247 @@
+"""Checkpoints: sharded (torch.distributed.checkpoint) and full, trainable-only, atomic, verified.
+
+Layout of a sharded checkpoint directory ``PATH``:
+
+- ``*.distcp`` and ``.metadata``: model and optimizer state written by ``torch.distributed.checkpoint``
+  (each rank writes its own shards; loading reshards to any world size or sharding strategy);
+- ``meta.pt``: Lightning's loops, callbacks, LR schedulers, precision/scaler state and our settings;
+- ``rng_rank<R>.pt``: every rank's RNG states (torch, CUDA, numpy, python);
+- ``manifest.json``: size and SHA-256 of every file, checked before anything is read.
+
+A full checkpoint is one file: the same content with the model and optimizer state consolidated on rank 0.
+
+Saving writes into a temporary sibling (``.fsdp_plus_tmp-<id>.PATH``) and renames it into place only after every
+rank has finished, so the previous checkpoint at ``PATH`` stays valid until the new one is complete.
+With ``trainable_only`` the frozen parameters (the base, int8 included) are not written; on resume they come
+from the model the LightningModule builds again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MANIFEST = "manifest.json"
+META = "meta.pt"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded (missing, truncated or corrupted file), with the file named."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast(obj: Any) -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def state_dict_options(*, full: bool, trainable_only: bool) -> Any:
+    """torch's StateDictOptions for our two formats (full ones gathered one tensor at a time onto CPU)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # loading a trainable-only checkpoint leaves the frozen parameters as the model built them
+    return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only,
+                            strict=not trainable_only)  # fmt: skip
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _describe(paths: Sequence[Path], root: Path) -> dict[str, dict[str, Any]]:
+    return {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
+
+
+def temporary_sibling(path: Path) -> Path:
+    """A fresh temporary path next to ``path`` (same file system, so the final rename is atomic)."""
+    # a hidden prefix, so that globs such as ModelCheckpoint's "last*" never pick a half-written one
+    return path.with_name(f".fsdp_plus_tmp-{uuid.uuid4().hex[:8]}.{path.name}")
+
+
+def commit(tmp: Path, path: Path) -> None:
+    """Move a finished ``tmp`` into place; an older checkpoint at ``path`` is removed only afterwards."""
+    old = None
+    if path.exists():
+        old = path.with_name(f".fsdp_plus_old-{uuid.uuid4().hex[:8]}.{path.name}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+
+def collect_rng_states() -> dict[str, Any]:
+    """This rank's RNG states, as Lightning collects them."""
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    return _collect_rng_states(include_cuda=torch.cuda.is_available())
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Put this rank's RNGs back where they were."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    _set_rng_states(states)
+
+
+def save_sharded(
+    path: str | Path,
+    *,
+    model_state: dict[str, Any],
+    optimizer_states: Sequence[dict[str, Any]],
+    metadata: dict[str, Any],
+) -> Path:
+    """Write a sharded checkpoint directory atomically; call on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = Path(_broadcast(str(temporary_sibling(path))))
+    tmp.mkdir(parents=True, exist_ok=True)
+    state = {"state_dict": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    rank = _rank()
+    torch.save(collect_rng_states(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:
+        torch.save({**metadata, "fsdp_plus_format": FORMAT_VERSION}, tmp / META)
+    _barrier()
+    # every rank hashes the files it wrote, rank 0 writes the manifest and commits
+    mine = [p for p in tmp.iterdir() if p.name.startswith((f"__{rank}_", f"rng_rank{rank}."))]
+    if rank == 0:
+        mine += [tmp / ".metadata", tmp / META]
+    described = _all_gather(_describe(mine, tmp))
+    if rank == 0:
+        files = {name: info for part in described for name, info in part.items()}
+        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
+        commit(tmp, path)
+    _barrier()
+    return path
+
+
+def verify(path: str | Path) -> None:
+    """Raise CheckpointError naming the first missing, truncated or corrupted file of a checkpoint."""
+    path = Path(path)
+    if path.is_file():
+        return _verify_file(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete or not an fsdp_plus checkpoint)")
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as err:
+        raise CheckpointError(f"checkpoint {path}: {manifest} is corrupted ({err})") from err
+    for name, info in files.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {file} is missing")
+        if file.stat().st_size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint {path}: file {file} is truncated or overwritten "
+                f"({file.stat().st_size} bytes, expected {info['bytes']})"
+            )
+        if _sha256(file) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: file {file} is corrupted (SHA-256 mismatch)")
+    return None
+
+
+def _verify_file(path: Path) -> None:
+    sidecar = path.with_name(path.name + ".sha256")
+    if not sidecar.is_file():
+        raise CheckpointError(f"checkpoint {path}: {sidecar.name} is missing (incomplete save?)")
+    if _sha256(path) != sidecar.read_text().split()[0]:
+        raise CheckpointError(f"checkpoint {path}: file {path} is truncated or corrupted (SHA-256 mismatch)")
+
+
+def load_sharded(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    trainable_only: bool,
+) -> dict[str, Any]:
+    """Load model and optimizer shards (resharding as needed) and this rank's RNG; returns the metadata."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = Path(path)
+    verify(path)
+    options = state_dict_options(full=False, trainable_only=trainable_only)
+    model_state, optim_states = get_state_dict(model, list(optimizers), options=options)
+    optim_list = optim_states if isinstance(optim_states, list) else [optim_states] if optimizers else []
+    state = {"state_dict": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optim_list)}}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as err:  # DCP names keys, not files: give both
+        raise CheckpointError(f"checkpoint {path}: could not be read into this model: {err}") from err
+    for optimizer, optim_state in zip(optimizers, optim_list, strict=True):
+        set_state_dict(model, [optimizer], model_state_dict=state["state_dict"], optim_state_dict=optim_state,
+                       options=options)  # fmt: skip
+    if not optimizers:
+        set_state_dict(model, [], model_state_dict=state["state_dict"], optim_state_dict={}, options=options)
+    rng = path / f"rng_rank{_rank()}.pt"
+    if rng.is_file():  # absent when resuming on more ranks than were saved
+        restore_rng_states(torch.load(rng, weights_only=False))
+    return torch.load(path / META, weights_only=False)
+
+
+def save_full(path: str | Path, *, checkpoint: dict[str, Any]) -> Path:
+    """Write one consolidated file on rank 0 (atomically, with a SHA-256 sidecar); call on every rank."""
+    path = Path(path)
+    if _rank() == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_sibling(path)
+        torch.save({**checkpoint, "fsdp_plus_format": FORMAT_VERSION}, tmp)
+        digest = _sha256(tmp)
+        sidecar_tmp = temporary_sibling(path.with_name(path.name + ".sha256"))
+        sidecar_tmp.write_text(f"{digest}  {path.name}\n")
+        commit(tmp, path)
+        commit(sidecar_tmp, path.with_name(path.name + ".sha256"))
+    _barrier()
+    return path
+
+
+def load_full(path: str | Path) -> dict[str, Any]:
+    """Verify and read a full checkpoint file (``weights_only`` unpickling)."""
+    path = Path(path)
+    verify(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise CheckpointError(f"checkpoint {path}: file {path} could not be read: {err}") from err
+
+
+def is_sharded_checkpoint(path: str | Path) -> bool:
+    """A directory written by ``save_sharded``."""
+    return Path(path).is_dir() and (Path(path) / META).is_file()

@@ -1,0 +1,152 @@
+"""Checkpoints on 2 CPU processes: exact resume, resharding, LoRA+int8 size, crashes, corruption.
+
+Each scenario is a real launch of tests/helpers/ckpt_cases.py (3 x 4 SGD steps, a "last" checkpoint every 4
+steps). Exact means equal: resumed runs reproduce the uninterrupted run's losses and parameters bit for bit
+(resharded runs to 1e-5: one rank sums the batch in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fsdp_plus.checkpoint import CheckpointError, load_full, verify
+from tests.helpers.launch import REPO, run_script, subprocess_env
+
+SCRIPT = REPO / "tests" / "helpers" / "ckpt_cases.py"
+
+
+def launch(out: Path, scenario: str, *args: str) -> str:
+    return run_script(SCRIPT, "--out", str(out), "--scenario", scenario, *args)
+
+
+def result(out: Path, scenario: str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    losses = json.loads((out / f"{scenario}.rank0.json").read_text())["losses"]
+    return losses, torch.load(out / f"{scenario}.pt", weights_only=True)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, tuple]:
+    """Uninterrupted runs, full fine-tune and LoRA+int8."""
+    out = tmp_path_factory.mktemp("reference")
+    launch(out, "full_ft")
+    launch(out, "lora", "--kind", "lora_int8")
+    return {"full_ft": result(out, "full_ft"), "lora_int8": result(out, "lora")}
+
+
+@pytest.mark.parametrize("kind", ["full_ft", "lora_int8"])
+def test_resume_is_exact(tmp_path, reference, kind):
+    launch(tmp_path, "first", "--kind", kind, "--max-steps", "4")
+    launch(tmp_path, "resumed", "--kind", kind, "--resume", "last")
+    losses, state = result(tmp_path, "resumed")
+    ref_losses, ref_state = reference[kind]
+    assert sorted(losses, key=int) == [str(s) for s in range(5, 13)]
+    assert all(losses[k] == ref_losses[k] for k in losses)
+    assert max_diff(state, ref_state) == 0.0
+    if kind == "lora_int8":
+        ckpt = tmp_path / "ckpt" / "last.ckpt"
+        written = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+        lora = [v for k, v in ref_state.items() if "lora_" in k]
+        adapter_and_momentum = 2 * sum(v.numel() * 4 for v in lora)  # fp32 weights + SGD momentum
+        assert written < 2 * adapter_and_momentum
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+        model_keys = [k for k in keys if k.startswith("state_dict.")]
+        assert model_keys and all("lora_" in k for k in model_keys)  # no base weight (int8 or float) inside
+
+
+def test_full_format_resumes_exactly_and_is_one_verified_file(tmp_path, reference):
+    launch(tmp_path, "first", "--max-steps", "4", "--state-dict-type", "full")
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    assert ckpt.is_file() and Path(f"{ckpt}.sha256").is_file()
+    assert "state_dict" in load_full(ckpt)  # weights_only unpickling
+    launch(tmp_path, "resumed", "--resume", "last", "--state-dict-type", "full")
+    assert max_diff(result(tmp_path, "resumed")[1], reference["full_ft"][1]) == 0.0
+
+
+def test_two_ranks_reshard_to_one_with_another_sharding_strategy(tmp_path, reference):
+    launch(tmp_path, "first", "--max-steps", "4")
+    launch(tmp_path, "resumed", "--resume", "last", "--devices", "1", "--sharding", "SHARD_GRAD_OP")
+    losses, state = result(tmp_path, "resumed")
+    ref_losses, ref_state = reference["full_ft"]
+    assert max(abs(losses[k] - ref_losses[k]) for k in losses) < 1e-5
+    assert max_diff(state, ref_state) < 1e-5
+
+
+def _wait_for(path: Path, *, step: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and path.read_text().strip() and int(path.read_text()) >= step:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} never reached step {step}")
+
+
+def test_kill_9_of_one_rank_then_resume_from_last_finishes_like_the_uninterrupted_run(tmp_path, reference):
+    command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "killed", "--step-sleep", "0.4"]
+    proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    _wait_for(tmp_path / "killed.rank1.progress", step=6, timeout=240)
+    os.kill(int((tmp_path / "killed.rank1.pid").read_text()), signal.SIGKILL)
+    killed_at = time.time()
+    output = proc.communicate(timeout=120)[0].decode()
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 60, "the surviving rank did not exit promptly"
+    assert "terminated with code -9" in output or "Connection" in output  # the survivor says why it stops
+    reached = int((tmp_path / "killed.rank0.progress").read_text())
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
+    assert 0 < reached - saved <= 4  # at most one checkpoint interval lost
+    launch(tmp_path, "resumed", "--resume", "last")
+    assert max_diff(result(tmp_path, "resumed")[1], reference["full_ft"][1]) == 0.0
+
+
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, reference):
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "crash",
+                           "--crash-on-commit", "2"], cwd=REPO, env=subprocess_env(), capture_output=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    verify(ckpt)  # the checkpoint of step 4 is whole ...
+    assert torch.load(ckpt / "meta.pt", weights_only=False)["global_step"] == 4
+    assert any(p.name.startswith(".fsdp_plus_tmp-") for p in ckpt.parent.iterdir())  # ... the new one never replaced it
+    launch(tmp_path, "resumed", "--resume", "last")
+    assert max_diff(result(tmp_path, "resumed")[1], reference["full_ft"][1]) == 0.0
+
+
+def test_truncated_and_corrupted_checkpoints_are_named_errors(tmp_path):
+    launch(tmp_path, "first", "--max-steps", "4")
+    good = tmp_path / "ckpt" / "last.ckpt"
+    shard = next(good.glob("__1_*.distcp"))
+    truncated = tmp_path / "truncated"
+    shutil.copytree(good, truncated)
+    (truncated / shard.name).write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=re.escape(f"file {truncated / shard.name} is truncated")):
+        verify(truncated)
+    corrupted = tmp_path / "corrupted"
+    shutil.copytree(good, corrupted)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (corrupted / shard.name).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=re.escape(f"file {corrupted / shard.name} is corrupted")):
+        verify(corrupted)
+    (corrupted / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match=r"manifest\.json is missing"):
+        verify(corrupted)
+    full = tmp_path / "full.ckpt"
+    torch.save({"state_dict": {}}, full)
+    with pytest.raises(CheckpointError, match=r"full\.ckpt\.sha256 is missing"):
+        load_full(full)

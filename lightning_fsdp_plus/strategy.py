@@ -30,7 +30,7 @@ from lightning_fsdp_plus.checkpoint import (
     state_dict_options,
 )
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
-from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters, make_lora_config
+from lightning_fsdp_plus.lora import apply_lora, check_trainable, find_peft_model, frozen_parameters, make_lora_config
 from lightning_fsdp_plus.plan import (
     MeshLayout,
     ShardingPlan,
@@ -371,6 +371,7 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             "trainable_only": self.trainable_only,
             "sharding_strategy": self.sharding_strategy.value,
             "world_size": self.world_size,
+            "peft": self._peft_info(),
         }
         if self.state_dict_type == "full":
             save_full(path, checkpoint=checkpoint)
@@ -378,6 +379,14 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         model_state = checkpoint.pop("state_dict")
         optimizer_states = checkpoint.pop("optimizer_states", [])
         save_sharded(path, model_state=model_state, optimizer_states=optimizer_states, metadata=checkpoint)
+
+    def _peft_info(self) -> dict[str, Any] | None:
+        found = find_peft_model(self.lightning_module) if self.lightning_module is not None else None
+        if found is None:
+            return None
+        path, peft_model = found
+        adapter = peft_model.active_adapter
+        return {"path": path, "adapter_name": adapter, "config": peft_model.peft_config[adapter].to_dict()}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -42,10 +42,10 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict[str, tuple]:
     """Uninterrupted runs, full fine-tune and LoRA+int8."""
-    out = tmp_path_factory.mktemp("reference")
-    launch(out, "full_ft")
-    launch(out, "lora", "--kind", "lora_int8")
-    return {"full_ft": result(out, "full_ft"), "lora_int8": result(out, "lora")}
+    full, lora = tmp_path_factory.mktemp("reference_full"), tmp_path_factory.mktemp("reference_lora")
+    launch(full, "full_ft")
+    launch(lora, "lora", "--kind", "lora_int8")
+    return {"full_ft": (*result(full, "full_ft"), full), "lora_int8": (*result(lora, "lora"), lora)}
 
 
 @pytest.mark.parametrize("kind", ["full_ft", "lora_int8"])
@@ -53,8 +53,7 @@ def test_resume_is_exact(tmp_path, reference, kind):
     launch(tmp_path, "first", "--kind", kind, "--max-steps", "4")
     launch(tmp_path, "resumed", "--kind", kind, "--resume", "last")
     losses, state = result(tmp_path, "resumed")
-    ref_losses, ref_state = reference[kind]
-    assert sorted(losses, key=int) == [str(s) for s in range(5, 13)]
+    ref_losses, ref_state, _ = reference[kind](losses, key=int) == [str(s) for s in range(5, 13)]
     assert all(losses[k] == ref_losses[k] for k in losses)
     assert max_diff(state, ref_state) == 0.0
     if kind == "lora_int8":
@@ -83,7 +82,7 @@ def test_two_ranks_reshard_to_one_with_another_sharding_strategy(tmp_path, refer
     launch(tmp_path, "first", "--max-steps", "4")
     launch(tmp_path, "resumed", "--resume", "last", "--devices", "1", "--sharding", "SHARD_GRAD_OP")
     losses, state = result(tmp_path, "resumed")
-    ref_losses, ref_state = reference["full_ft"]
+    ref_losses, ref_state, _ = reference["full_ft"]
     assert max(abs(losses[k] - ref_losses[k]) for k in losses) < 1e-5
     assert max_diff(state, ref_state) < 1e-5
 
@@ -150,3 +149,29 @@ def test_truncated_and_corrupted_checkpoints_are_named_errors(tmp_path):
     torch.save({"state_dict": {}}, full)
     with pytest.raises(CheckpointError, match=r"full\.ckpt\.sha256 is missing"):
         load_full(full)
+
+
+def test_export_consolidates_sharded_checkpoints_and_writes_peft_adapters(tmp_path, reference):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_plus.export import main as export
+    from tests.helpers.models import LORA_LLAMA, tiny_llama
+
+    _, full_state, full_dir = reference["full_ft"]
+    assert export([str(full_dir / "ckpt" / "last.ckpt"), str(tmp_path / "full")]) == 0
+    weights = load_file(tmp_path / "full" / "model.safetensors")
+    model = tiny_llama(1)
+    missing, unexpected = model.load_state_dict(weights, strict=False)  # transformers names: prefix stripped
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    assert all(torch.equal(weights[k.removeprefix("model.")], v) for k, v in full_state.items()
+               if k.removeprefix("model.") in weights)  # fmt: skip
+
+    _, lora_state, lora_dir = reference["lora_int8"]
+    assert export([str(lora_dir / "ckpt" / "last.ckpt"), str(tmp_path / "adapter")]) == 0
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    reloaded = PeftModel.from_pretrained(tiny_llama(0, **LORA_LLAMA), tmp_path / "adapter")
+    trained = {k.removeprefix("model."): v for k, v in lora_state.items() if "lora_" in k}
+    params = dict(reloaded.named_parameters())
+    assert trained and all(torch.equal(params[k], v) for k, v in trained.items())
+    assert export([str(tmp_path / "nowhere"), str(tmp_path / "x")]) == 2

@@ -1,0 +1,116 @@
+"""``fsdp-plus-export CKPT OUT``: turn any fsdp_plus checkpoint into a consolidated state dict or a PEFT adapter.
+
+    fsdp-plus-export outputs/.../checkpoints/last.ckpt exported/          # auto: adapter for LoRA runs
+    fsdp-plus-export CKPT OUT --format state_dict [--strip-prefix model.]
+
+Runs in one process without GPUs: sharded checkpoints are consolidated with torch's own
+``dcp_to_torch_save``. ``state_dict`` writes ``OUT/model.safetensors`` (keys without the LightningModule's
+attribute prefix, so a transformers model loads them); ``adapter`` writes ``OUT/adapter_config.json`` and
+``OUT/adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fsdp_plus.checkpoint import CheckpointError, is_sharded_checkpoint, load_full, verify
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The whole checkpoint (model ``state_dict``, optimizer states, metadata) as plain CPU tensors."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not is_sharded_checkpoint(path):
+        return load_full(path)
+    verify(path)
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        consolidated = Path(tmp) / "consolidated.pt"
+        dcp_to_torch_save(str(path), str(consolidated))
+        state = torch.load(consolidated, weights_only=False)
+    return {**torch.load(path / "meta.pt", weights_only=False), **state}
+
+
+def strip_common_prefix(state: dict[str, torch.Tensor], prefix: str | None) -> dict[str, torch.Tensor]:
+    """Drop ``prefix`` from every key; ``"auto"`` drops the first component when all keys share it."""
+    if prefix == "auto":
+        heads = {k.split(".", 1)[0] for k in state}
+        prefix = f"{heads.pop()}." if len(heads) == 1 and all("." in k for k in state) else ""
+    prefix = prefix or ""
+    return {k.removeprefix(prefix): v for k, v in state.items()}
+
+
+def _save_safetensors(state: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    seen: dict[int, str] = {}
+    unique = {}
+    for key, tensor in state.items():  # tied weights are stored once (safetensors refuses shared storage)
+        if tensor.data_ptr() in seen:
+            continue
+        seen[tensor.data_ptr()] = key
+        unique[key] = tensor.detach().contiguous().cpu()
+    save_file(unique, str(path), metadata={"format": "pt"})
+
+
+def export_state_dict(checkpoint: dict[str, Any], out: Path, *, strip_prefix: str | None = "auto") -> Path:
+    """Write the model weights as ``out/model.safetensors``."""
+    out.mkdir(parents=True, exist_ok=True)
+    state = strip_common_prefix(checkpoint["state_dict"], strip_prefix)
+    _save_safetensors(state, out / "model.safetensors")
+    return out / "model.safetensors"
+
+
+def export_adapter(checkpoint: dict[str, Any], out: Path) -> Path:
+    """Write a PEFT adapter directory from a LoRA run's checkpoint."""
+    from peft import LoraConfig
+
+    lora = checkpoint.get("fsdp_plus", {}).get("peft")
+    if lora is None:
+        raise CheckpointError("this checkpoint has no LoRA adapter; use --format state_dict")
+    prefix, adapter, config = lora["path"], lora["adapter_name"], lora["config"]
+    state = {}
+    for key, tensor in checkpoint["state_dict"].items():
+        if "lora_" in key and key.startswith(f"{prefix}."):
+            state[key.removeprefix(f"{prefix}.").replace(f".{adapter}.", ".")] = tensor
+    out.mkdir(parents=True, exist_ok=True)
+    _save_safetensors(state, out / "adapter_model.safetensors")
+    fields = LoraConfig.__dataclass_fields__
+    LoraConfig(**{k: v for k, v in config.items() if k in fields and fields[k].init}).save_pretrained(str(out))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--format", choices=("auto", "state_dict", "adapter"), default="auto")
+    parser.add_argument("--strip-prefix", default="auto", help='prefix removed from weight names ("" keeps them)')
+    args = parser.parse_args(argv)
+    try:
+        checkpoint = read_checkpoint(args.checkpoint)
+        kind = args.format
+        if kind == "auto":
+            kind = "adapter" if checkpoint.get("fsdp_plus", {}).get("peft") else "state_dict"
+        if kind == "adapter":
+            written = export_adapter(checkpoint, args.out)
+        else:
+            written = export_state_dict(checkpoint, args.out, strip_prefix=args.strip_prefix)
+    except CheckpointError as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -104,16 +104,23 @@ def commit(tmp: Path, path: Path) -> None:
 
 
 def collect_rng_states() -> dict[str, Any]:
-    """This rank's RNG states, as Lightning collects them."""
+    """This rank's RNG states, as Lightning collects them, with numpy's key as a tensor (weights_only-safe)."""
     from lightning.fabric.utilities.seed import _collect_rng_states
 
-    return _collect_rng_states(include_cuda=torch.cuda.is_available())
+    states = _collect_rng_states(include_cuda=torch.cuda.is_available())
+    if "numpy" in states:
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        states["numpy"] = (name, torch.from_numpy(keys.astype("int64")), pos, has_gauss, cached)
+    return states
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
     """Put this rank's RNGs back where they were."""
     from lightning.fabric.utilities.seed import _set_rng_states
 
+    if "numpy" in states:
+        name, keys, pos, has_gauss, cached = states["numpy"]
+        states = {**states, "numpy": (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)}
     _set_rng_states(states)
 
 
@@ -212,8 +219,18 @@ def load_sharded(
         set_state_dict(model, [], model_state_dict=state["state_dict"], optim_state_dict={}, options=options)
     rng = path / f"rng_rank{_rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than were saved
-        restore_rng_states(torch.load(rng, weights_only=False))
-    return torch.load(path / META, weights_only=False)
+        restore_rng_states(torch.load(rng, weights_only=True))
+    return _load_meta(path)
+
+
+def _load_meta(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path / META, weights_only=True)
+    except Exception as err:  # e.g. hyper-parameters holding custom classes
+        raise CheckpointError(
+            f"checkpoint {path}: {META} holds objects that weights_only loading refuses ({err}); if you trust the "
+            "file, allow them with torch.serialization.add_safe_globals"
+        ) from err
 
 
 def save_full(path: str | Path, *, checkpoint: dict[str, Any]) -> Path:

@@ -35,8 +35,8 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         consolidated = Path(tmp) / "consolidated.pt"
         dcp_to_torch_save(str(path), str(consolidated))
-        state = torch.load(consolidated, weights_only=False)
-    return {**torch.load(path / "meta.pt", weights_only=False), **state}
+        state = torch.load(consolidated, weights_only=True)
+    return {**torch.load(path / "meta.pt", weights_only=True), **state}
 
 
 def strip_common_prefix(state: dict[str, torch.Tensor], prefix: str | None) -> dict[str, torch.Tensor]:

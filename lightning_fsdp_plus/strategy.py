@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -386,7 +387,10 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             return None
         path, peft_model = found
         adapter = peft_model.active_adapter
-        return {"path": path, "adapter_name": adapter, "config": peft_model.peft_config[adapter].to_dict()}
+        # plain JSON types only, so the metadata loads with weights_only=True (sets become sorted lists)
+        as_json = json.dumps(peft_model.peft_config[adapter].to_dict(),
+                             default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o))  # fmt: skip
+        return {"path": path, "adapter_name": adapter, "config": json.loads(as_json)}
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -399,7 +403,7 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         assert self.model is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         if is_sharded_checkpoint(path):
-            saved = torch.load(path / "meta.pt", weights_only=False).get("fsdp_plus", {})
+            saved = torch.load(path / "meta.pt", weights_only=True).get("fsdp_plus", {})
             return load_sharded(path, model=self.model, optimizers=self.optimizers,
                                 trainable_only=saved.get("trainable_only", False))  # fmt: skip
         checkpoint = load_full(path)

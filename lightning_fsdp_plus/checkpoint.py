@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from lightning_fsdp_plus._dist import all_gather_object, barrier, broadcast_object, rank
 
 MANIFEST = "manifest.json"
 META = "meta.pt"
@@ -38,31 +39,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded (missing, truncated or corrupted file), with the file named."""
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast(obj: Any) -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _all_gather(obj: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def state_dict_options(*, full: bool, trainable_only: bool) -> Any:
@@ -135,25 +111,25 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     path = Path(path)
-    tmp = Path(_broadcast(str(temporary_sibling(path))))
+    tmp = Path(broadcast_object(str(temporary_sibling(path))))
     tmp.mkdir(parents=True, exist_ok=True)
     state = {"state_dict": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
-    rank = _rank()
-    torch.save(collect_rng_states(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
+    me = rank()
+    torch.save(collect_rng_states(), tmp / f"rng_rank{me}.pt")
+    if me == 0:
         torch.save({**metadata, "fsdp_plus_format": FORMAT_VERSION}, tmp / META)
-    _barrier()
+    barrier()
     # every rank hashes the files it wrote, rank 0 writes the manifest and commits
-    mine = [p for p in tmp.iterdir() if p.name.startswith((f"__{rank}_", f"rng_rank{rank}."))]
-    if rank == 0:
+    mine = [p for p in tmp.iterdir() if p.name.startswith((f"__{me}_", f"rng_rank{me}."))]
+    if me == 0:
         mine += [tmp / ".metadata", tmp / META]
-    described = _all_gather(_describe(mine, tmp))
-    if rank == 0:
+    described = all_gather_object(_describe(mine, tmp))
+    if me == 0:
         files = {name: info for part in described for name, info in part.items()}
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
         commit(tmp, path)
-    _barrier()
+    barrier()
     return path
 
 
@@ -217,7 +193,7 @@ def load_sharded(
                        options=options)  # fmt: skip
     if not optimizers:
         set_state_dict(model, [], model_state_dict=state["state_dict"], optim_state_dict={}, options=options)
-    rng = path / f"rng_rank{_rank()}.pt"
+    rng = path / f"rng_rank{rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than were saved
         restore_rng_states(torch.load(rng, weights_only=True))
     return _load_meta(path)
@@ -236,7 +212,7 @@ def _load_meta(path: Path) -> dict[str, Any]:
 def save_full(path: str | Path, *, checkpoint: dict[str, Any]) -> Path:
     """Write one consolidated file on rank 0 (atomically, with a SHA-256 sidecar); call on every rank."""
     path = Path(path)
-    if _rank() == 0:
+    if rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = temporary_sibling(path)
         torch.save({**checkpoint, "fsdp_plus_format": FORMAT_VERSION}, tmp)
@@ -245,7 +221,7 @@ def save_full(path: str | Path, *, checkpoint: dict[str, Any]) -> Path:
         sidecar_tmp.write_text(f"{digest}  {path.name}\n")
         commit(tmp, path)
         commit(sidecar_tmp, path.with_name(path.name + ".sha256"))
-    _barrier()
+    barrier()
     return path
 
 

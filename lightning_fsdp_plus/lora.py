@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
+
+from lightning_fsdp_plus._dist import barrier, rank
 
 _ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 
@@ -149,12 +150,10 @@ def export_adapter(module: nn.Module, directory: str | Path) -> Path | None:
         raise ValueError("export_adapter: the model has no PEFT adapter (apply LoRA first)")
     _, peft_model = found
     state = {name: full_tensor(p).cpu() for name, p in peft_model.named_parameters() if p.requires_grad}
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     directory = Path(directory)
-    if rank == 0:
+    if rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()}
         peft_model.save_pretrained(str(directory), state_dict=state, safe_serialization=True)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier()
     return directory

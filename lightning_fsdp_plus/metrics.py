@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch import Callback
 from torch import Tensor
 
+from lightning_fsdp_plus._dist import all_gather_object
 from lightning_fsdp_plus.memory import model_state_bytes
 
 
@@ -81,20 +82,10 @@ class RunMetrics(Callback):
 
     def summary(self, trainer: Any) -> dict[str, float]:
         """Figures over all ranks (a collective: call on every rank): maxima, and total tokens/s."""
-        ranks = _all_gather_object(self.local_summary(trainer.strategy.root_device))
+        ranks = all_gather_object(self.local_summary(trainer.strategy.root_device))
         return {
             "step_time_s_median": max(r["step_time_s_median"] for r in ranks),
             "tokens_per_s": sum(r["tokens_per_s_rank"] for r in ranks),
             "model_state_bytes_per_rank": max(r["model_state_bytes_per_rank"] for r in ranks),
             "peak_bytes_per_rank": max(r["peak_bytes_per_rank"] for r in ranks),
         }
-
-
-def _all_gather_object(obj: Any) -> list[Any]:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return [obj]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out

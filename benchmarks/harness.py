@@ -1,4 +1,4 @@
-"""Measurement pieces shared by the benchmarks: collective byte counting, step timing, memory.
+"""Measurement pieces shared by the benchmarks: collective byte counting on top of the app's RunMetrics.
 
 Collectives are counted, not guessed: the torch.distributed functions FSDP2 calls are wrapped while a
 ``CommCounter`` is active, and the bytes each rank sends into (reduce-scatter, all-reduce) or receives
@@ -8,16 +8,14 @@ from (all-gather) a collective are summed per step.
 from __future__ import annotations
 
 import statistics
-import time
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback
 
-from lightning_fsdp_plus.memory import model_state_bytes
 from lightning_fsdp_plus.memory.accounting import local_bytes
+from lightning_fsdp_plus.metrics import RunMetrics
 
 _COUNTED = {
     # name: (kind, index of the tensor whose size is counted)
@@ -66,49 +64,39 @@ class CommCounter:
                 setattr(dist, name, fn)
 
 
-class BenchmarkRecorder(Callback):
-    """Per-step wall time, collective bytes and calls, and per-rank memory, after ``warmup`` steps."""
+class BenchmarkRecorder(RunMetrics):
+    """The app's ``RunMetrics`` (step time after warm-up, model-state peak) plus collective bytes and calls."""
 
     def __init__(self, *, warmup: int, counter: CommCounter) -> None:
-        self.warmup, self.counter = warmup, counter
-        self.step_times: list[float] = []
+        super().__init__(warmup_steps=warmup)
+        self.counter = counter
         self.comm: list[dict[str, int]] = []
         self.calls: list[dict[str, int]] = []
-        self.peak_state = 0
-        self.tokens_per_step = 0
-        self._start = 0.0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         self.counter.reset()
-        self._start = time.perf_counter()
+        super().on_train_batch_start(trainer, module, batch, batch_idx)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        elapsed = time.perf_counter() - self._start
-        state = model_state_bytes(module, trainer.optimizers).total
-        self.peak_state = max(self.peak_state, state)
-        if batch_idx >= self.warmup:
-            self.step_times.append(elapsed)
+        timed = len(self.step_times)
+        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
+        if len(self.step_times) > timed:  # a measured (post-warm-up) step
             self.comm.append(dict(self.counter.bytes))
             self.calls.append(dict(self.counter.calls))
-        self.tokens_per_step = batch.numel() * trainer.world_size
 
-    def on_before_backward(self, trainer, module, loss) -> None:
-        self.peak_state = max(self.peak_state, model_state_bytes(module, trainer.optimizers).total)
-
-    def summary(self, module: torch.nn.Module) -> dict:
+    def benchmark_summary(self, module: torch.nn.Module, *, world_size: int) -> dict:
         """Median and spread of the step time, tokens/s, collective bytes per step, bytes per rank."""
-        times = sorted(self.step_times)
-        q1, q3 = statistics.quantiles(times, n=4)[0], statistics.quantiles(times, n=4)[2]
-        median = statistics.median(times)
+        quartiles = statistics.quantiles(self.step_times, n=4)
+        median = statistics.median(self.step_times)
         per_step = {k: statistics.median(s.get(k, 0) for s in self.comm) for k in ("all_gather", "reduce_scatter")}
         calls = {k: round(statistics.median(s.get(k, 0) for s in self.calls)) for k in ("all_gather", "reduce_scatter")}
         return {
             "step_time_s_median": median,
-            "step_time_s_iqr": q3 - q1,
-            "tokens_per_s": self.tokens_per_step / median,
+            "step_time_s_iqr": quartiles[2] - quartiles[0],
+            "tokens_per_s": statistics.median(self.tokens_per_step) * world_size / median,
             "all_gather_bytes_per_step": per_step["all_gather"],
             "reduce_scatter_bytes_per_step": per_step["reduce_scatter"],
             "all_gather_calls_per_step": calls["all_gather"],
             "frozen_bytes_per_rank": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
-            "model_state_peak_bytes_per_rank": self.peak_state,
+            "model_state_peak_bytes_per_rank": self.model_state_peak,
         }

@@ -100,7 +100,7 @@ def run_case(name: str, *, size: dict, args: argparse.Namespace) -> dict:
                         vocab=size["vocab_size"])  # fmt: skip
     with counter.installed():
         trainer.fit(module, DataLoader(data, batch_size=args.batch_size))
-    summary = recorder.summary(module)
+    summary = recorder.benchmark_summary(module, world_size=trainer.world_size)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, summary)
     worst = {k: max(s[k] for s in gathered) for k in summary}

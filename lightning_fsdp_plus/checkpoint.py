@@ -172,14 +172,18 @@ def load_sharded(
     *,
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
-    trainable_only: bool,
 ) -> dict[str, Any]:
-    """Load model and optimizer shards (resharding as needed) and this rank's RNG; returns the metadata."""
+    """Load model and optimizer shards (resharding as needed) and this rank's RNG; returns the metadata.
+
+    Whether frozen parameters are in the checkpoint is read from its own metadata.
+    """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     verify(path)
+    metadata = _load_meta(path)
+    trainable_only = metadata.get("fsdp_plus", {}).get("trainable_only", False)
     options = state_dict_options(full=False, trainable_only=trainable_only)
     model_state, optim_states = get_state_dict(model, list(optimizers), options=options)
     optim_list = optim_states if isinstance(optim_states, list) else [optim_states] if optimizers else []
@@ -196,7 +200,7 @@ def load_sharded(
     rng = path / f"rng_rank{rank()}.pt"
     if rng.is_file():  # absent when resuming on more ranks than were saved
         restore_rng_states(torch.load(rng, weights_only=True))
-    return _load_meta(path)
+    return metadata
 
 
 def _load_meta(path: Path) -> dict[str, Any]:

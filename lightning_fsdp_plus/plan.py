@@ -156,11 +156,6 @@ class FSDPUnit:
         return sum(p.bytes_per_rank for p in self.params)
 
     @property
-    def unsharded_bytes(self) -> int:
-        """Bytes of this unit's parameters when all-gathered (before mixed-precision casts)."""
-        return sum(p.numel * p.dtype.itemsize for p in self.params)
-
-    @property
     def dtypes(self) -> tuple[str, ...]:
         """Distinct storage dtypes, sorted."""
         return tuple(sorted({str(p.dtype).removeprefix("torch.") for p in self.params}))

@@ -8,7 +8,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -403,9 +402,7 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         assert self.model is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         if is_sharded_checkpoint(path):
-            saved = torch.load(path / "meta.pt", weights_only=True).get("fsdp_plus", {})
-            return load_sharded(path, model=self.model, optimizers=self.optimizers,
-                                trainable_only=saved.get("trainable_only", False))  # fmt: skip
+            return load_sharded(path, model=self.model, optimizers=self.optimizers)
         checkpoint = load_full(path)
         trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
         options = StateDictOptions(full_state_dict=True, strict=not trainable_only)

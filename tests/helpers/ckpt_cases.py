@@ -25,17 +25,9 @@ from torch.utils.data import DataLoader
 
 import lightning_fsdp_plus.checkpoint as checkpoint_module
 from lightning_fsdp_plus import FSDPPlusStrategy
-from lightning_fsdp_plus.lm import CausalLMModule
-from tests.helpers.models import StridedSampler, TokenDataset, lora_llama, make_optimizer, tiny_llama
+from tests.helpers.models import StridedSampler, TokenDataset, lora_llama, sgd_causal_lm, tiny_llama
 
 STEPS_PER_EPOCH, BATCH = 4, 4
-
-
-class SGDLM(CausalLMModule):
-    """CausalLMModule with SGD+momentum over trainable parameters."""
-
-    def configure_optimizers(self):
-        return make_optimizer("sgd", [p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
 class Record(Callback):
@@ -109,7 +101,7 @@ def main() -> None:
     )
     dataset = TokenDataset(n=STEPS_PER_EPOCH * BATCH * 2)  # 2 ranks' worth; 1 rank takes all of it in 2x steps
     data = DataLoader(dataset, batch_size=BATCH * (2 // args.devices), sampler=StridedSampler(len(dataset)))
-    trainer.fit(SGDLM(model, lr=0.05 if args.kind == "full_ft" else 0.5), data, ckpt_path=args.resume)
+    trainer.fit(sgd_causal_lm(model, lr=0.05 if args.kind == "full_ft" else 0.5), data, ckpt_path=args.resume)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from tests.helpers.models import (
     TinyLM,
     TokenDataset,
     lora_llama,
-    make_optimizer,
+    sgd_causal_lm,
     tiny_llama,
 )
 
@@ -168,13 +168,6 @@ class InjectInf(Callback):
             grad.to_local().view(-1)[0] = float("inf")
 
 
-class SGDCausalLM(CausalLMModule):
-    """CausalLMModule with SGD+momentum, so the 2-rank run can be compared tightly with the reference."""
-
-    def configure_optimizers(self):
-        return make_optimizer("sgd", [p for p in self.parameters() if p.requires_grad], lr=self.lr)
-
-
 def _local_checksum(module) -> float:
     local = (getattr(p, "to_local", p.detach)() for p in module.parameters() if p.requires_grad)
     return float(sum(t.detach().double().abs().sum() for t in local))
@@ -207,7 +200,7 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         base = lora_llama(0) if spec["lora"] == "module" else tiny_llama(0, **LORA_LLAMA)
         data = FixedBatches(steps=LORA_STEPS)
         loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))
-        trainer.fit(SGDCausalLM(base, lr=LORA_LR), loader)
+        trainer.fit(sgd_causal_lm(base, lr=LORA_LR), loader)
     elif spec.get("llama"):
         loader = DataLoader(TokenDataset(), batch_size=4)
         trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader)

@@ -162,6 +162,17 @@ def train_reference(
     return losses, {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def sgd_causal_lm(model: nn.Module, *, lr: float):
+    """``CausalLMModule`` with SGD+momentum over trainable parameters, for tight comparisons with references."""
+    from lightning_fsdp_plus.lm import CausalLMModule
+
+    class SGDCausalLM(CausalLMModule):
+        def configure_optimizers(self):
+            return make_optimizer("sgd", [p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+    return SGDCausalLM(model, lr=lr)
+
+
 def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = DIM, intermediate: int = 64):
     """A transformers Llama built from a tiny config (no download)."""
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -39,6 +39,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.harness import BenchmarkRecorder, CommCounter
 from lightning_fsdp_plus import FSDPPlusStrategy
+from lightning_fsdp_plus._dist import shutdown
 from lightning_fsdp_plus.lm import CausalLMModule
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0,
@@ -162,4 +163,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown()

@@ -32,6 +32,16 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def shutdown() -> None:
+    """Destroy the default process group, if any, so the process exits without tearing gloo down mid-flight.
+
+    Left to interpreter exit, gloo's threads can be destroyed in the wrong order and abort the process
+    ("terminate called without an active exception") after the work is done.
+    """
+    if initialized():
+        dist.destroy_process_group()
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order."""
     if not initialized():

@@ -43,6 +43,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_fsdp_plus._dist import shutdown
 from lightning_fsdp_plus.config import register_configs
 from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
 from lightning_fsdp_plus.generate import greedy_generate
@@ -192,7 +193,10 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any] | None:
 def main() -> None:
     """Console entry point ``fsdp-plus-train``."""
     register_configs()
-    _hydra_main()
+    try:
+        _hydra_main()
+    finally:
+        shutdown()
 
 
 if __name__ == "__main__":

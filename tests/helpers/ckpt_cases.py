@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 
 import lightning_fsdp_plus.checkpoint as checkpoint_module
 from lightning_fsdp_plus import FSDPPlusStrategy
+from lightning_fsdp_plus._dist import shutdown
 from tests.helpers.models import StridedSampler, TokenDataset, lora_llama, sgd_causal_lm, tiny_llama
 
 STEPS_PER_EPOCH, BATCH = 4, 4
@@ -105,4 +106,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        shutdown()

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.accounting import local_bytes
 from lightning_fsdp_plus.metrics import RunMetrics
 
@@ -65,11 +66,15 @@ class CommCounter:
 
 
 class BenchmarkRecorder(RunMetrics):
-    """The app's ``RunMetrics`` (step time after warm-up, model-state peak) plus collective bytes and calls."""
+    """The app's ``RunMetrics`` (step time after warm-up) plus collective bytes and calls.
+
+    Memory comes from ``self.monitor``, a ``MemoryMonitor`` that must be passed to the Trainer as well.
+    """
 
     def __init__(self, *, warmup: int, counter: CommCounter) -> None:
         super().__init__(warmup_steps=warmup)
         self.counter = counter
+        self.monitor = MemoryMonitor(log_every_n_steps=0)
         self.comm: list[dict[str, int]] = []
         self.calls: list[dict[str, int]] = []
 
@@ -98,5 +103,5 @@ class BenchmarkRecorder(RunMetrics):
             "reduce_scatter_bytes_per_step": per_step["reduce_scatter"],
             "all_gather_calls_per_step": calls["all_gather"],
             "frozen_bytes_per_rank": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
-            "model_state_peak_bytes_per_rank": self.model_state_peak,
+            "model_state_peak_bytes_per_rank": self.monitor.peak.model_state if self.monitor.peak else 0,
         }

@@ -95,7 +95,7 @@ def run_case(name: str, *, size: dict, args: argparse.Namespace) -> dict:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=[recorder, recorder.monitor],
     )
     data = RandomTokens(n=(args.warmup + args.steps) * args.batch_size * args.devices, seq=size["seq"],
                         vocab=size["vocab_size"])  # fmt: skip

@@ -48,6 +48,7 @@ from lightning_fsdp_plus.config import register_configs
 from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
 from lightning_fsdp_plus.generate import greedy_generate
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
+from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
 from lightning_fsdp_plus.metrics import RunMetrics
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
 
@@ -83,11 +84,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     module = build_module(cfg.model)
     run_metrics = RunMetrics(warmup_steps=cfg.warmup_steps_for_timing)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    callbacks = _instantiate_all(cfg.callbacks)
+    monitor = next(iter_monitors(callbacks), None) or MemoryMonitor(log_every_n_steps=0)  # feeds metrics.json
     trainer = Trainer(
         **trainer_kwargs,
         strategy=build_strategy(cfg.strategy),
         plugins=[FSDPPlusPrecision(cfg.precision.name)],  # a plugin, so CPU 16-mixed stays fp16
-        callbacks=[*_instantiate_all(cfg.callbacks), run_metrics],
+        callbacks=[*callbacks, *([] if monitor in callbacks else [monitor]), run_metrics],
         logger=_instantiate_all(cfg.logger) or False,
         default_root_dir=str(output_dir),
     )
@@ -111,6 +114,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "world_size": trainer.world_size,
         "fit_time_s": fit_seconds,
         **run_metrics.summary(trainer),
+        **monitor.summary(trainer),
         "train_loss": float(trainer.strategy.reduce(train_loss.detach(), reduce_op="mean"))
         if train_loss is not None
         else None,

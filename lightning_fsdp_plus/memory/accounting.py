@@ -7,8 +7,9 @@ Works on any device, so CPU runs can be compared with the sharding arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -45,25 +46,43 @@ def local_bytes(tensor: Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def unsharded_param_bytes(module: nn.Module) -> int:
-    """Bytes of all-gathered parameters FSDP2 currently holds for the units inside ``module``."""
+def _fsdp_params(module: nn.Module) -> Iterator[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``) of every unit inside ``module``."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            group = sub._get_fsdp_state()._fsdp_param_group
+            yield from group.fsdp_params if group is not None else ()
+
+
+def _unsharded(fsdp_param: Any) -> Tensor | None:
+    """The all-gathered parameter of ``fsdp_param`` if it is alive now, else None."""
     from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
 
-    total = 0
-    for sub in module.modules():
-        if not isinstance(sub, FSDPModule):
-            continue
-        group = sub._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            if fsdp_param.sharded_state is ShardedState.UNSHARDED and hasattr(fsdp_param, "_unsharded_param"):
-                param = fsdp_param._unsharded_param
-                total += param.numel() * param.element_size()
-    return total
+    if fsdp_param.sharded_state is ShardedState.UNSHARDED and hasattr(fsdp_param, "_unsharded_param"):
+        return fsdp_param._unsharded_param
+    return None
+
+
+def _nbytes(tensor: Tensor | None) -> int:
+    return 0 if tensor is None else local_bytes(tensor)
+
+
+def unsharded_param_bytes(module: nn.Module) -> int:
+    """Bytes of all-gathered parameters FSDP2 currently holds for the units inside ``module``."""
+    return sum(_nbytes(_unsharded(fp)) for fp in _fsdp_params(module))
 
 
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
-    """Bytes of parameters, alive unsharded copies, gradients and optimizer state on this rank."""
-    params = list(module.parameters())
+    """Bytes of parameters, alive unsharded copies, gradients and optimizer state on this rank.
+
+    While a unit is unsharded its module attributes point at the all-gathered tensors; its local shards
+    still exist, so FSDP-managed parameters are read from FSDP2's records (shard: ``params``, all-gathered
+    copy: ``unsharded_params``), never twice. Parameters FSDP does not manage (ignored, replicated) count in full.
+    """
+    fsdp_params = list(_fsdp_params(module))
+    unsharded = [_unsharded(fp) for fp in fsdp_params]
+    managed = {id(fp.sharded_param) for fp in fsdp_params} | {id(t) for t in unsharded if t is not None}
+    others = [p for p in module.parameters() if id(p) not in managed]
     optimizer = sum(
         local_bytes(value)
         for opt in optimizers
@@ -71,9 +90,10 @@ def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimi
         for value in state.values()
         if isinstance(value, Tensor) and value.dim() > 0  # skip scalar step counters
     )
+    grads = [fp.sharded_param.grad for fp in fsdp_params] + [t.grad for t in unsharded if t is not None]
     return ModelStateBytes(
-        params=sum(local_bytes(p) for p in params),
-        unsharded_params=unsharded_param_bytes(module),
-        grads=sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        params=sum(local_bytes(fp.sharded_param) for fp in fsdp_params) + sum(local_bytes(p) for p in others),
+        unsharded_params=sum(_nbytes(t) for t in unsharded),
+        grads=sum(_nbytes(g) for g in grads) + sum(_nbytes(p.grad) for p in others),
         optimizer=optimizer,
     )

@@ -22,7 +22,7 @@ from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
 from lightning_fsdp_plus._dist import shutdown
 from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
-from lightning_fsdp_plus.memory import model_state_bytes
+from lightning_fsdp_plus.memory import MemoryMonitor, model_state_bytes
 from lightning_fsdp_plus.memory.accounting import local_bytes
 from lightning_fsdp_plus.quantization import Int8Linear
 from tests.helpers.models import (
@@ -75,8 +75,8 @@ LORA_STEPS, LORA_LR = 20, 0.5
 class Recorder(Callback):
     """Global loss per step, peak model-state bytes, scaler scale and whether the local shard moved."""
 
-    def __init__(self, name: str, out: Path) -> None:
-        self.name, self.out = name, out
+    def __init__(self, name: str, out: Path, monitor: MemoryMonitor) -> None:
+        self.name, self.out, self.monitor = name, out, monitor
         self.losses: list[float] = []
         self.peak: dict[str, int] = {}
         self.scales: list[float] = []
@@ -144,6 +144,12 @@ class Recorder(Callback):
             "trainable_bytes": sum(local_bytes(p) for p in module.parameters() if p.requires_grad),
             "frozen_dtypes": sorted({str(p.dtype) for p in module.parameters() if not p.requires_grad}),
             "seen_scale": self.seen_scale,
+            "monitor": {
+                "peak": self.monitor.peak.to_dict(),
+                "model_state_peak": self.monitor.model_state_peak,
+                "empty_cache_steps": self.monitor.empty_cache_steps,
+                "steps_sampled": len(self.monitor.step_peaks),
+            },
         }
         if find_peft_model(module) is not None:  # adapter in PEFT format + logits of the sharded model
             export_adapter(module, self.out / f"{self.name}.adapter")
@@ -177,8 +183,10 @@ def _local_checksum(module) -> float:
 def run_case(name: str, out: Path, start_method: str = "popen") -> None:
     spec = CASES[name]
     seed_everything(0, workers=True)
-    recorder = Recorder(name, out)
-    callbacks = [recorder]
+    # memory logged every 2 steps (max over ranks), the cache "emptied" every 2 (a no-op on CPU, but recorded)
+    monitor = MemoryMonitor(log_every_n_steps=2, empty_cache_every_n_steps=2)
+    recorder = Recorder(name, out, monitor)
+    callbacks = [recorder, monitor]
     if "inject_inf_at" in spec:
         callbacks.append(InjectInf(spec["inject_inf_at"]))
     trainer_kwargs = {"use_distributed_sampler": False, **spec.get("trainer", {})}

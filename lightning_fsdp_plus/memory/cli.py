@@ -1,0 +1,155 @@
+"""``fsdp-plus-estimate``: per-rank memory for each sharding strategy, before you launch.
+
+    fsdp-plus-estimate --params 7.5e9 --world-size 64
+    fsdp-plus-estimate --config path/to/config.json --world-size 8 16 --strategy all \\
+        --precision bf16-mixed --optimizer adamw --lora-rank 16 --quantize-base int8 --lora-only \\
+        --batch-size 4 --seq-len 2048 [--simulate] [--json]
+
+A table for people by default (GB = 10^9 bytes); ``--json`` prints a machine-readable document (a list of
+them for several world sizes) whose ``strategies`` maps each sharding strategy to its figures in bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from lightning_fsdp_plus.config.schema import LoraSchema
+from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES
+from lightning_fsdp_plus.memory.estimate import (
+    STRATEGY_CHOICES,
+    EstimateError,
+    MemoryEstimate,
+    ModelDescription,
+    estimate_memory,
+)
+
+_COLUMNS = (
+    ("params", "params"),
+    ("unsharded_params", "unsharded kept"),
+    ("grads", "grads"),
+    ("optimizer", "optimizer"),
+    ("model_state_bytes_per_rank", "model state"),
+    ("activation_bytes_per_rank", "activations"),
+    ("largest_unit_transient_bytes", "unit transient"),
+    ("peak_with_transient_bytes_per_rank", "peak"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface."""
+    parser = argparse.ArgumentParser(
+        prog="fsdp-plus-estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=float, help="parameter count, e.g. 7.5e9")
+    model.add_argument("--config", help="a transformers config.json (or its directory); local files only")
+    parser.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
+    parser.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGY_CHOICES)} (any case)")
+    parser.add_argument("--hybrid-shard-size", type=int, help="ranks per shard group for HYBRID_SHARD")
+    parser.add_argument("--precision", default="bf16-mixed", choices=list(PRECISION_BYTES))
+    parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
+    parser.add_argument("--lora-rank", type=int, help="apply PEFT LoRA of this rank (needs --config)")
+    parser.add_argument(
+        "--lora-targets",
+        default=",".join(LoraSchema().target_modules),
+        help="comma-separated linear layer names LoRA adapts (default: %(default)s)",
+    )
+    parser.add_argument("--trainable-fraction", type=float, help="with --params: the share of parameters that train")
+    parser.add_argument("--lora-only", action="store_true", help="replicate the frozen base; shard only what trains")
+    parser.add_argument("--quantize-base", choices=["int8"], help="frozen linear weights in int8 (LLM.int8)")
+    parser.add_argument("--cpu-offload", action="store_true", help="sharded state in host memory (CUDA)")
+    parser.add_argument("--batch-size", type=int, default=1, help="per-rank batch for the activation estimate")
+    parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
+    parser.add_argument("--simulate", action="store_true", help="also run torch's FSDP2 memory tracker (fake PG)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def format_table(model: ModelDescription, estimates: Sequence[MemoryEstimate], *, header: str) -> str:
+    """The estimates as an aligned text table in GB (10^9 bytes), or MB for small models."""
+    largest = max((e.model_state_bytes_per_rank + (e.activation_bytes_per_rank or 0) for e in estimates), default=0)
+    unit, scale = ("GB", 1e9) if largest >= 1e9 else ("MB", 1e6)
+
+    def _gb(value: int | None) -> str:
+        return "n/a" if value is None else f"{value / scale:.3f}"
+
+    rows = [["strategy", "world", "shard", *(title for _, title in _COLUMNS)]]
+    simulated = any(e.simulated for e in estimates)
+    if simulated:
+        rows[0].append("simulated peak")
+    for e in estimates:
+        figures = e.to_dict()
+        row = [e.sharding_strategy, str(e.world_size), str(e.shard_size), *(_gb(figures[k]) for k, _ in _COLUMNS)]
+        if simulated:
+            row.append(_gb(e.simulated["total"]) if e.simulated else "n/a")
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [header, f"{unit} per rank (1 {unit} = {scale:.0e} bytes)"]
+    for row in rows:
+        cells = zip(row, widths, strict=True)
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(cells)))
+    return "\n".join(lines) + "\n"
+
+
+def _documents(model: ModelDescription, estimates: list[MemoryEstimate], inputs: dict[str, Any]) -> Any:
+    sizes = list(dict.fromkeys(e.world_size for e in estimates))
+    docs = [
+        {
+            "world_size": size,
+            "inputs": inputs,
+            "model": model.to_dict(),
+            "strategies": {e.sharding_strategy: e.to_dict() for e in estimates if e.world_size == size},
+        }
+        for size in sizes
+    ]
+    return docs[0] if len(docs) == 1 else docs
+
+
+def run(argv: Sequence[str] | None = None) -> str:
+    """Parse ``argv``, estimate, and return the text to print (raises ``SystemExit(2)`` on bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.lora_rank is not None and args.config is None:
+        parser.error("--lora-rank needs --config (the layers to adapt); with --params use --trainable-fraction")
+    lora = None
+    if args.lora_rank is not None:
+        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+        lora = {"r": args.lora_rank, "alpha": 2 * args.lora_rank, "dropout": 0.0, "target_modules": targets}
+    inputs = {k: v for k, v in vars(args).items() if k != "json"}
+    try:
+        model, estimates = estimate_memory(
+            params=args.params, config=args.config, world_size=args.world_size, strategy=args.strategy,
+            precision=args.precision, optimizer=args.optimizer, hybrid_shard_size=args.hybrid_shard_size,
+            lora=lora, trainable_fraction=args.trainable_fraction, lora_only=args.lora_only,
+            quantize_base=args.quantize_base, cpu_offload=args.cpu_offload, batch_size=args.batch_size,
+            seq_len=args.seq_len, simulate=args.simulate,
+        )  # fmt: skip
+    except (EstimateError, ValueError) as err:
+        parser.error(str(err))
+    if args.json:
+        return json.dumps(_documents(model, estimates, inputs), indent=1) + "\n"
+    header = (
+        f"{model.source}: {model.total_params:,} parameters, {model.trainable_params:,} trainable;"
+        f" {args.precision}, {args.optimizer}"
+        + (f", LoRA r={args.lora_rank}" if lora else "")
+        + (", int8 base" if args.quantize_base else "")
+        + (", frozen base replicated" if args.lora_only else "")
+        + (", CPU offload" if args.cpu_offload else "")
+        + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
+    )
+    return format_table(model, estimates, header=header)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")  # deprecations, not ours
+    sys.stdout.write(run(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The estimator: ZeRO arithmetic, the docs' figures, the CLI, FakeTensor counts against real ones, simulate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lightning_fsdp_plus.memory.assumptions import assumptions_markdown
+from lightning_fsdp_plus.memory.cli import run
+from lightning_fsdp_plus.memory.estimate import count_activations, estimate_memory
+from tests.helpers.launch import REPO
+from tests.helpers.models import LORA, LORA_LLAMA, tiny_llama
+
+DOCS = REPO / "docs" / "memory.md"
+
+
+def _by_strategy(**kwargs) -> dict:
+    _, estimates = estimate_memory(**kwargs)
+    return {e.sharding_strategy: e for e in estimates}
+
+
+def test_zero_paper_figures_for_7_5b_on_64_ranks():
+    psi, n = 7.5e9, 64
+    zero = {"NO_SHARD": 16 * psi, "SHARD_GRAD_OP": 2 * psi + 14 * psi / n, "FULL_SHARD": 16 * psi / n}
+    paper = {"NO_SHARD": 120e9, "SHARD_GRAD_OP": 16.6e9, "FULL_SHARD": 1.9e9}  # as printed in the paper
+    assert zero == pytest.approx(paper, rel=0.02)
+    estimates = _by_strategy(params=psi, world_size=n, precision="bf16-mixed", optimizer="adamw")
+    for name, expected in zero.items():
+        assert estimates[name].model_state_bytes_per_rank == pytest.approx(expected, rel=0.02), name
+
+
+def test_docs_carry_the_assumption_table_and_the_tools_own_output():
+    text = DOCS.read_text()
+    assert assumptions_markdown() in text
+    assert run(["--params", "7.5e9", "--world-size", "64"]) in text
+    assert run(["--params", "13e9", "--world-size", "8"]) in text
+
+
+def test_parameter_count_arithmetic_for_lora_on_an_int8_base():
+    psi, fraction = 1e9, 0.01
+    replicated = _by_strategy(params=psi, world_size=4, strategy="full_shard", trainable_fraction=fraction,
+                              quantize_base="int8", lora_only=True)["FULL_SHARD"]  # fmt: skip
+    trainable = psi * fraction
+    assert replicated.params == psi - trainable + trainable * 4 / 4  # int8 base whole, fp32 LoRA shard
+    assert (replicated.grads, replicated.optimizer) == (trainable * 4 / 4, trainable * 8 / 4)
+    sharded = _by_strategy(params=psi, world_size=4, strategy="full_shard", trainable_fraction=fraction,
+                           quantize_base="int8")["FULL_SHARD"]  # fmt: skip
+    assert sharded.params == (psi - trainable) / 4 + trainable
+
+
+def test_json_maps_each_strategy_to_its_model_state(capsys):
+    doc = json.loads(run(["--params", "1e9", "--world-size", "8", "--json"]))
+    assert doc["world_size"] == 8
+    assert set(doc["strategies"]) == {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"}
+    assert doc["strategies"]["FULL_SHARD"]["model_state_bytes_per_rank"] == 16e9 / 8
+    several = json.loads(run(["--params", "1e9", "--world-size", "8", "16", "--json", "--strategy", "hybrid_shard",
+                              "--hybrid-shard-size", "8"]))  # fmt: skip
+    assert [d["world_size"] for d in several] == [8, 16]
+    assert [d["strategies"]["HYBRID_SHARD"]["shard_size"] for d in several] == [8, 8]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--params", "1e9", "--world-size", "8", "--strategy", "ZeRO3"],
+         "strategy='ZeRO3' is not one of FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD (or all)"),
+        (["--params", "1e9", "--world-size", "0"], "world_size=0 must be a positive integer"),
+        (["--config", "/no/such/config.json", "--world-size", "2"],
+         "config='/no/such/config.json' is not a readable transformers config.json (FileNotFoundError"),
+        (["--params", "1e9", "--world-size", "8", "--strategy", "hybrid_shard", "--hybrid-shard-size", "3"],
+         "hybrid_shard_size=3 does not divide the world size 8; valid choices: 1, 2, 4, 8"),
+        (["--params", "1e9", "--world-size", "8", "--precision", "fp8"],
+         "argument --precision: invalid choice: 'fp8' (choose from '32-true', 'bf16-mixed'"),
+        (["--params", "1e9", "--world-size", "8", "--lora-rank", "8"], "--lora-rank needs --config"),
+        (["--params", "1e9", "--world-size", "8", "--simulate"], "simulate=True builds the model: give config="),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_naming_key_value_and_choices(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_config_without_model_type_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(ValueError, match=r"is not a readable transformers config.json \(no model_type\)"):
+        estimate_memory(config=tmp_path, world_size=2)
+
+
+def test_console_script_prints_a_table_and_fails_with_status_2():
+    ok = subprocess.run([sys.executable, "-m", "lightning_fsdp_plus.memory.cli", "--params", "7.5e9", "--world-size",
+                         "64", "--strategy", "full_shard"], capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert ok.returncode == 0 and "FULL_SHARD" in ok.stdout and "1.875" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "lightning_fsdp_plus.memory.cli", "--params", "7.5e9",
+                          "--world-size", "-2"], capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert bad.returncode == 2 and "world_size=-2 must be a positive integer" in bad.stderr
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fake_forward_counts_the_same_activations_as_a_real_one(tmp_path, precision):
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path)
+    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
+    model = model.to(dtype)
+    ids = torch.randint(0, model.config.vocab_size, (3, 16))
+    real = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
+    description, _ = estimate_memory(config=tmp_path, world_size=2, precision=precision, batch_size=3, seq_len=16)
+    assert description.activation_bytes == real
+
+
+def test_simulate_agrees_with_the_arithmetic_on_what_both_count(tmp_path):
+    tiny_llama(0, **LORA_LLAMA).config.save_pretrained(tmp_path)
+    _, estimates = estimate_memory(
+        config=tmp_path, world_size=2, strategy=["full_shard", "shard_grad_op"], precision="bf16-mixed",
+        lora=LORA, quantize_base="int8", batch_size=2, seq_len=16, simulate=True,
+    )  # fmt: skip
+    for estimate in estimates:
+        simulated = estimate.simulated
+        assert simulated["sharded_param"] == estimate.params  # the int8 base and LoRA shards, byte for byte
+        lora_tensors = 2 * 2 * len(LORA["target_modules"])  # A and B in 2 layers
+        assert simulated["optstate"] == estimate.optimizer + 4 * lora_tensors  # + Adam's fp32 scalar step counters
+        assert simulated["total"] >= estimate.peak_bytes_per_rank * 0.9
+    full, sgo = estimates
+    # every unit's compute copy kept (the tracker sees 1 KiB more here: within 0.1%)
+    assert sgo.simulated["unsharded_param"] == pytest.approx(sgo.unsharded_params, rel=1e-3)
+    assert full.simulated["unsharded_param"] < sgo.simulated["unsharded_param"]

@@ -1,22 +1,32 @@
-"""Measurement pieces shared by the benchmarks: collective byte counting on top of the app's RunMetrics.
+"""Measurement pieces shared by every benchmark case: collective bytes, step phases, memory.
 
-Collectives are counted, not guessed: the torch.distributed functions FSDP2 calls are wrapped while a
-``CommCounter`` is active, and the bytes each rank sends into (reduce-scatter, all-reduce) or receives
-from (all-gather) a collective are summed per step.
+Collectives are counted, not guessed: the ``torch.distributed`` functions FSDP2 calls are wrapped while a
+``CommCounter`` is installed, and DDP's C++ reducer is observed through a communication hook
+(:func:`counting_allreduce_hook`). Bytes are what each rank sends into (reduce-scatter, all-reduce) or
+receives from (all-gather) a collective, summed per step.
+
+A step is split into phases — forward, backward, optimizer (step and zero-grad) and the rest (framework
+work between them) — with the same clock for Lightning (:class:`LightningRecorder`, from its hooks) and
+the hand-written loop (:class:`StepClock`), so a ratio above 1 says where the time goes.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch import Callback
+from torch import nn
 
 from lightning_fsdp_plus.memory import MemoryMonitor
-from lightning_fsdp_plus.memory.accounting import local_bytes
-from lightning_fsdp_plus.metrics import RunMetrics
+from lightning_fsdp_plus.memory.monitor import MemorySample, sample_memory
+from lightning_fsdp_plus.metrics import count_tokens
 
 _COUNTED = {
     # name: (kind, index of the tensor whose size is counted)
@@ -26,10 +36,12 @@ _COUNTED = {
     "reduce_scatter_tensor": ("reduce_scatter", 1),
     "all_reduce": ("all_reduce", 0),
 }
+PHASES = ("forward", "backward", "optimizer", "other")
+"""Phases of a training step, in order; ``other`` is the step time the first three do not cover."""
 
 
 class CommCounter:
-    """Counts bytes and calls of FSDP's collectives on this rank while installed."""
+    """Counts bytes and calls of collectives on this rank while installed."""
 
     def __init__(self) -> None:
         self.bytes: dict[str, int] = defaultdict(int)
@@ -40,8 +52,13 @@ class CommCounter:
         self.bytes.clear()
         self.calls.clear()
 
+    def add(self, kind: str, tensor: torch.Tensor) -> None:
+        """Count one collective of ``kind`` on ``tensor``."""
+        self.bytes[kind] += tensor.numel() * tensor.element_size()
+        self.calls[kind] += 1
+
     @contextmanager
-    def installed(self):
+    def installed(self) -> Iterator[CommCounter]:
         """Wrap the torch.distributed collectives for the duration of the block."""
         originals = {name: getattr(dist, name) for name in _COUNTED if hasattr(dist, name)}
 
@@ -49,9 +66,7 @@ class CommCounter:
             kind, index = _COUNTED[name]
 
             def counted(*args, **kwargs):
-                tensor = args[index] if len(args) > index else next(iter(kwargs.values()))
-                self.bytes[kind] += tensor.numel() * tensor.element_size()
-                self.calls[kind] += 1
+                self.add(kind, args[index] if len(args) > index else next(iter(kwargs.values())))
                 return fn(*args, **kwargs)
 
             return counted
@@ -65,43 +80,145 @@ class CommCounter:
                 setattr(dist, name, fn)
 
 
-class BenchmarkRecorder(RunMetrics):
-    """The app's ``RunMetrics`` (step time after warm-up) plus collective bytes and calls.
+@contextmanager
+def all_gathers_by_kind(counter: CommCounter, kind_of: Callable[[nn.Module, str], str]) -> Iterator[None]:
+    """Also count FSDP2's all-gather bytes per kind of parameter (``all_gather:<kind>``).
 
-    Memory comes from ``self.monitor``, a ``MemoryMonitor`` that must be passed to the Trainer as well.
+    FSDP2 packs a unit's parameters into one buffer (bytes when dtypes differ), so the collective's size
+    alone cannot say what travelled; each unit's inputs can: ``kind_of(owning module, param name)`` names
+    each parameter's kind, and its all-gather inputs (shard, in the dtype it travels in) times the group
+    size are added to that kind.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    original = _fsdp_param_group.foreach_all_gather
+
+    def counted(fsdp_params, group, *args, **kwargs):
+        for fsdp_param in fsdp_params:
+            info = fsdp_param._module_info
+            kind = kind_of(info.module, info.param_name)
+            nbytes = sum(t.numel() * t.element_size() for t in fsdp_param.all_gather_inputs) * group.size()
+            counter.bytes[f"all_gather:{kind}"] += nbytes
+        return original(fsdp_params, group, *args, **kwargs)
+
+    _fsdp_param_group.foreach_all_gather = counted
+    try:
+        yield
+    finally:
+        _fsdp_param_group.foreach_all_gather = original
+
+
+class PythonAllReduce(Callback):
+    """Route DDP's gradient all-reduce through ``torch.distributed.all_reduce`` (DDP's default hook in Python).
+
+    DDP's C++ reducer calls the process group directly, out of ``CommCounter``'s sight; Lightning registers
+    communication hooks only on CUDA, so this callback registers torch's ``allreduce_hook`` itself.
     """
 
+    def on_train_start(self, trainer, module) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        trainer.strategy.model.register_comm_hook(None, allreduce_hook)
+
+
+class StepClock:
+    """Per-step phase times and collective bytes; Lightning hooks or a hand-written loop drive it."""
+
     def __init__(self, *, warmup: int, counter: CommCounter) -> None:
-        super().__init__(warmup_steps=warmup)
-        self.counter = counter
-        self.monitor = MemoryMonitor(log_every_n_steps=0)
+        self.warmup, self.counter = warmup, counter
+        self.steps: list[dict[str, float]] = []
         self.comm: list[dict[str, int]] = []
-        self.calls: list[dict[str, int]] = []
+        self.tokens: list[int] = []
+        self._marks: dict[str, float] = {}
+        self._seen = 0
+
+    def mark(self, name: str) -> None:
+        """Record the time of ``name``: ``start``, ``forward``, ``backward``, ``optimizer_start``, ``end``."""
+        if name == "start":
+            self.counter.reset()
+            self._marks = {}
+        self._marks[name] = time.perf_counter()
+
+    def end(self, tokens: int) -> None:
+        """Close a step (kept if past warm-up)."""
+        self.mark("end")
+        self._seen += 1
+        if self._seen <= self.warmup:
+            return
+        m = self._marks
+        total = m["end"] - m["start"]
+        phases = {
+            "forward": m["forward"] - m["start"],
+            "backward": m["backward"] - m["forward"],
+            "optimizer": m["end"] - m.get("optimizer_start", m["backward"]),
+        }
+        phases["other"] = total - sum(phases.values())
+        self.steps.append({"step": total, **phases})
+        self.comm.append(dict(self.counter.bytes) | {f"{k}_calls": v for k, v in self.counter.calls.items()})
+        self.tokens.append(tokens)
+
+    def summary(self) -> dict[str, Any]:
+        """Medians over measured steps: step time, phases, tokens, collective bytes and calls per step."""
+        keys = {k for c in self.comm for k in c}
+        return {
+            "step_time_s": statistics.median(s["step"] for s in self.steps),
+            "phases_s": {p: statistics.median(s[p] for s in self.steps) for p in PHASES},
+            "tokens_per_step": statistics.median(self.tokens),
+            "comm_per_step": {k: statistics.median(c.get(k, 0) for c in self.comm) for k in sorted(keys)},
+        }
+
+
+class LightningRecorder(Callback):
+    """Drives a :class:`StepClock` from Lightning's hooks; memory from a ``MemoryMonitor`` (add both)."""
+
+    def __init__(self, *, warmup: int, counter: CommCounter) -> None:
+        self.clock = StepClock(warmup=warmup, counter=counter)
+        self.monitor = MemoryMonitor(log_every_n_steps=0)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        self.counter.reset()
-        super().on_train_batch_start(trainer, module, batch, batch_idx)
+        self.clock.mark("start")
+
+    def on_before_backward(self, trainer, module, loss) -> None:
+        self.clock.mark("forward")
+
+    def on_after_backward(self, trainer, module) -> None:
+        self.clock.mark("backward")
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        self.clock.mark("optimizer_start")
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        timed = len(self.step_times)
-        super().on_train_batch_end(trainer, module, outputs, batch, batch_idx)
-        if len(self.step_times) > timed:  # a measured (post-warm-up) step
-            self.comm.append(dict(self.counter.bytes))
-            self.calls.append(dict(self.counter.calls))
+        self.clock.end(count_tokens(batch))
 
-    def benchmark_summary(self, module: torch.nn.Module, *, world_size: int) -> dict:
-        """Median and spread of the step time, tokens/s, collective bytes per step, bytes per rank."""
-        quartiles = statistics.quantiles(self.step_times, n=4)
-        median = statistics.median(self.step_times)
-        per_step = {k: statistics.median(s.get(k, 0) for s in self.comm) for k in ("all_gather", "reduce_scatter")}
-        calls = {k: round(statistics.median(s.get(k, 0) for s in self.calls)) for k in ("all_gather", "reduce_scatter")}
-        return {
-            "step_time_s_median": median,
-            "step_time_s_iqr": quartiles[2] - quartiles[0],
-            "tokens_per_s": statistics.median(self.tokens_per_step) * world_size / median,
-            "all_gather_bytes_per_step": per_step["all_gather"],
-            "reduce_scatter_bytes_per_step": per_step["reduce_scatter"],
-            "all_gather_calls_per_step": calls["all_gather"],
-            "frozen_bytes_per_rank": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
-            "model_state_peak_bytes_per_rank": self.monitor.peak.model_state if self.monitor.peak else 0,
-        }
+    def memory(self) -> dict[str, int]:
+        """Tensor-accounted peaks of this rank."""
+        peak = self.monitor.peak
+        return _memory_figures(peak, self.monitor.model_state_peak)
+
+
+class LoopMemory:
+    """What ``MemoryMonitor`` samples, for a hand-written loop: after forward, after backward, after the step."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.peak: MemorySample | None = None
+        self.model_state_peak = 0
+
+    def sample(self, activations: int = 0) -> None:
+        """Measure now (pass the saved-activation bytes right after forward)."""
+        sample = sample_memory(self.model, optimizers=[self.optimizer], activations=activations, device=self.device)
+        self.model_state_peak = max(self.model_state_peak, sample.model_state)
+        if self.peak is None or sample.tensor_total > self.peak.tensor_total:
+            self.peak = sample
+
+    def memory(self) -> dict[str, int]:
+        """Tensor-accounted peaks of this rank."""
+        return _memory_figures(self.peak, self.model_state_peak)
+
+
+def _memory_figures(peak: MemorySample | None, model_state_peak: int) -> dict[str, int]:
+    return {
+        "model_state_bytes": model_state_peak,
+        "tensor_peak_bytes": peak.tensor_total if peak else 0,
+        "activation_bytes": peak.activations if peak else 0,
+    }

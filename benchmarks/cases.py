@@ -1,0 +1,270 @@
+"""Benchmark cases: one model, one data stream, many ways to train it.
+
+Every case trains a transformers Llama built from a config (no download) with AdamW on the same random
+token batches and returns this rank's measurements (``StepClock.summary`` + memory), or
+``{"refused": "<message>"}`` when the framework refuses the setting (Lightning's FSDP on CPU).
+
+* ``fsdp_plus_<strategy>``: ``Trainer(strategy=FSDPPlusStrategy(sharding_strategy=...))``;
+* ``fsdp_plus_full_shard_no_grad_norm``: the same with ``log_grad_norm=False``;
+* ``fsdp2_loop_<strategy>``: the same sharding written by hand — ``fully_shard`` per decoder layer and
+  the root, a plain PyTorch loop, no Lightning — the overhead reference;
+* ``lightning_ddp``, ``lightning_fsdp``, ``lightning_model_parallel``: Lightning's own strategies
+  (``ModelParallelStrategy`` with the ``fully_shard`` calls a user writes in ``configure_model``);
+* ``lora_{int8,bf16}_{replicated,sharded}``: LoRA r=16 on all projections over an int8 or bf16 base,
+  base replicated (``lora_only=True``) or sharded, in ``bf16-true``; ``lora_int8_replicated_per_layer``
+  makes every LoRA-wrapped linear layer its own FSDP unit (rather than every decoder layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, Dataset
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from benchmarks.harness import (
+    CommCounter,
+    LightningRecorder,
+    LoopMemory,
+    PythonAllReduce,
+    StepClock,
+    all_gathers_by_kind,
+)
+from lightning_fsdp_plus import FSDPPlusStrategy
+from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.memory import SavedActivations
+from lightning_fsdp_plus.plan import ShardingStrategy, resolve_mesh_layout
+
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
+SIZES = {
+    "full": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "vocab_size": 1024, "seq": 128},
+    "quick": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2, "vocab_size": 512, "seq": 64},
+}
+LR = 1e-4
+
+
+@dataclass
+class Setting:
+    """What every case shares: model size, batch, steps, devices."""
+
+    size: dict[str, int]
+    batch_size: int
+    warmup: int
+    steps: int
+    world_size: int
+    accelerator: str = "cpu"
+    hybrid_shard_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def config(self) -> LlamaConfig:
+        """The Llama config (no download)."""
+        return LlamaConfig(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=self.size["seq"],
+                           **{k: v for k, v in self.size.items() if k != "seq"})  # fmt: skip
+
+    def loader(self) -> DataLoader:
+        """This rank's batches (every rank its own slice of the same stream)."""
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        n = (self.warmup + self.steps) * self.batch_size
+        return DataLoader(RandomTokens(n=n, seq=self.size["seq"], vocab=self.size["vocab_size"], seed=rank),
+                          batch_size=self.batch_size)  # fmt: skip
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        if self.accelerator == "gpu":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+class RandomTokens(Dataset):
+    """Fixed random token sequences."""
+
+    def __init__(self, *, n: int, seq: int, vocab: int, seed: int = 0) -> None:
+        self.data = torch.randint(0, vocab, (n, seq), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+def _model(setting: Setting) -> LlamaForCausalLM:
+    seed_everything(0, verbose=False)
+    return LlamaForCausalLM(setting.config())
+
+
+def _trainer(
+    setting: Setting, strategy: Any, recorder: LightningRecorder, precision: str = "32-true", callbacks: tuple = ()
+) -> Trainer:
+    return Trainer(
+        strategy=strategy,
+        accelerator=setting.accelerator,
+        devices=setting.world_size,
+        precision=precision,
+        max_steps=setting.warmup + setting.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[recorder, recorder.monitor, *callbacks],
+    )
+
+
+def _fit(
+    setting: Setting, strategy: Any, module: Any, *, precision: str = "32-true", callbacks: tuple = ()
+) -> dict[str, Any]:
+    counter, base = CommCounter(), BaseLinears()
+    recorder = LightningRecorder(warmup=setting.warmup, counter=counter)
+    try:
+        trainer = _trainer(setting, strategy, recorder, precision, (*callbacks, base))
+    except (ValueError, RuntimeError) as err:  # the framework refuses this setting here
+        return {"refused": f"{type(err).__name__}: {err}"}
+    with counter.installed(), all_gathers_by_kind(counter, base.kind):
+        trainer.fit(module, setting.loader())
+    return {**recorder.clock.summary(), **recorder.memory()}
+
+
+class BaseLinears(Callback):
+    """Knows, once the strategy has prepared the model, which modules are the frozen base's linear layers
+    (what ``quantize_base="int8"`` converts; ``lm_head`` is skipped as by default) to label their all-gathers."""
+
+    def __init__(self) -> None:
+        self.ids: set[int] = set()
+
+    def on_fit_start(self, trainer: Trainer, module: torch.nn.Module) -> None:
+        from lightning_fsdp_plus.quantization import Int8Linear, int8_candidates
+
+        self.ids = {id(module.get_submodule(path)) for path in int8_candidates(module)}
+        self.ids |= {id(m) for m in module.modules() if isinstance(m, Int8Linear)}
+
+    def kind(self, module: torch.nn.Module, name: str) -> str:
+        """``base_linear`` or ``other``."""
+        return "base_linear" if id(module) in self.ids else "other"
+
+
+def fsdp_plus(setting: Setting, sharding_strategy: str, **strategy_kwargs: Any) -> dict[str, Any]:
+    """``Trainer(strategy=FSDPPlusStrategy(...))``, fp32 unless the kwargs say otherwise."""
+    precision = strategy_kwargs.pop("precision", "32-true")
+    if sharding_strategy == "HYBRID_SHARD":
+        strategy_kwargs["hybrid_shard_size"] = setting.hybrid_shard_size
+    strategy = FSDPPlusStrategy(sharding_strategy=sharding_strategy, **strategy_kwargs)
+    return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR), precision=precision)
+
+
+def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
+    """The same model and sharding with torch only: ``fully_shard`` per decoder layer and the root."""
+    strategy = ShardingStrategy.parse(sharding_strategy)
+    layout = resolve_mesh_layout(
+        sharding_strategy=strategy, world_size=setting.world_size, hybrid_shard_size=setting.hybrid_shard_size
+    )
+    device = setting.device
+    if layout.two_d:
+        mesh = init_device_mesh(device.type, (layout.replicate, layout.shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (layout.shard,), mesh_dim_names=("shard",))
+    model = _model(setting).to(device)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.95))
+    counter = CommCounter()
+    clock, memory = StepClock(warmup=setting.warmup, counter=counter), LoopMemory(model, optimizer, device)
+    with counter.installed():
+        for batch in setting.loader():
+            batch = batch.to(device)
+            clock.mark("start")
+            with SavedActivations() as saved:
+                loss = model(input_ids=batch, labels=batch).loss
+            clock.mark("forward")
+            memory.sample(saved.bytes)
+            loss.backward()
+            clock.mark("backward")
+            memory.sample()
+            clock.mark("optimizer_start")
+            optimizer.step()
+            optimizer.zero_grad()
+            clock.end(batch.numel())
+            memory.sample()
+    return {**clock.summary(), **memory.memory()}
+
+
+class _UserShardedLM(CausalLMModule):
+    """What a ``ModelParallelStrategy`` user writes: the ``fully_shard`` calls in ``configure_model``."""
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
+def lightning_ddp(setting: Setting) -> dict[str, Any]:
+    """Lightning's ``DDPStrategy``; its all-reduce goes through torch's Python default hook to be counted."""
+    return _fit(setting, "ddp", CausalLMModule(_model(setting), lr=LR), callbacks=(PythonAllReduce(),))
+
+
+def lightning_fsdp(setting: Setting) -> dict[str, Any]:
+    """Lightning's ``FSDPStrategy`` (FSDP1), decoder layers wrapped; it refuses CPU."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    strategy = FSDPStrategy(auto_wrap_policy={LlamaDecoderLayer})
+    return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR))
+
+
+def lightning_model_parallel(setting: Setting) -> dict[str, Any]:
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) with user-written ``fully_shard`` calls."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy(data_parallel_size=setting.world_size, tensor_parallel_size=1)
+    return _fit(setting, strategy, _UserShardedLM(_model(setting), lr=LR))
+
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def lora(setting: Setting, *, base: str, lora_only: bool, per_layer_units: bool = False) -> dict[str, Any]:
+    """LoRA on an int8 or bf16 base, replicated or sharded, ``bf16-true``; units per decoder layer, or
+    per LoRA-wrapped linear layer."""
+    kwargs: dict[str, Any] = {"lora": LORA, "lora_only": lora_only, "precision": "bf16-true"}
+    if per_layer_units:
+        kwargs["auto_wrap_policy"] = _is_lora_layer
+    if base == "int8":
+        kwargs["quantize_base"] = "int8"
+    return fsdp_plus(setting, "FULL_SHARD", **kwargs)
+
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+def _bind(fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> Callable[[Setting], dict[str, Any]]:
+    return lambda setting: fn(setting, *args, **kwargs)
+
+
+CASES: dict[str, Callable[[Setting], dict[str, Any]]] = {
+    **{f"fsdp_plus_{s.lower()}": _bind(fsdp_plus, s) for s in STRATEGIES},
+    **{f"fsdp2_loop_{s.lower()}": _bind(fsdp2_loop, s) for s in STRATEGIES},
+    # the price of the default grad_norm logging (a norm over the shards and an all-reduce per step)
+    "fsdp_plus_full_shard_no_grad_norm": _bind(fsdp_plus, "FULL_SHARD", log_grad_norm=False),
+    "lightning_ddp": lightning_ddp,
+    "lightning_fsdp": lightning_fsdp,
+    "lightning_model_parallel": lightning_model_parallel,
+    "lora_int8_replicated": _bind(lora, base="int8", lora_only=True),
+    "lora_int8_replicated_per_layer": _bind(lora, base="int8", lora_only=True, per_layer_units=True),
+    "lora_int8_sharded": _bind(lora, base="int8", lora_only=False),
+    "lora_bf16_replicated": _bind(lora, base="bf16", lora_only=True),
+    "lora_bf16_sharded": _bind(lora, base="bf16", lora_only=False),
+}
+"""Every case by name, in the order a repetition runs them."""

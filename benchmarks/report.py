@@ -1,0 +1,181 @@
+"""Benchmark reports: aggregate repetitions, then ``results.json``, ``results.md`` and ``results.png``.
+
+Across ranks a step takes as long as the slowest rank (max), throughput counts every rank's tokens, and
+memory is the largest rank's. Across repetitions: median and spread (min, max).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import PHASES
+
+TARGET_RATIO = 1.05
+"""fsdp_plus step time / hand-written FSDP2 loop step time we aim to stay under."""
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _per_rep(rep: dict[str, Any]) -> dict[str, Any]:
+    ranks = rep["ranks"]
+    if "refused" in ranks[0]:
+        return {"refused": ranks[0]["refused"]}
+    step = max(r["step_time_s"] for r in ranks)
+    return {
+        "step_time_s": step,
+        "tokens_per_s": sum(r["tokens_per_step"] for r in ranks) / step,
+        "phases_s": {p: max(r["phases_s"][p] for r in ranks) for p in PHASES},
+        "comm_per_step": {k: max(r["comm_per_step"].get(k, 0) for r in ranks) for k in ranks[0]["comm_per_step"]},
+        "model_state_bytes_per_rank": max(r["model_state_bytes"] for r in ranks),
+        "tensor_peak_bytes_per_rank": max(r["tensor_peak_bytes"] for r in ranks),
+        "activation_bytes_per_rank": max(r["activation_bytes"] for r in ranks),
+    }
+
+
+def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Per case: step time and tokens/s (median, spread), phases, bytes; per strategy: the overhead ratio."""
+    cases: dict[str, Any] = {}
+    reps: dict[str, list[dict[str, Any]]] = {}
+    for name, repetitions in runs.items():
+        reps[name] = [_per_rep(r) for r in repetitions]
+        first = reps[name][0]
+        if "refused" in first:
+            cases[name] = {"refused": first["refused"]}
+            continue
+        cases[name] = {
+            "step_time_s": _spread([r["step_time_s"] for r in reps[name]]),
+            "tokens_per_s": _spread([r["tokens_per_s"] for r in reps[name]]),
+            "phases_s": {p: statistics.median(r["phases_s"][p] for r in reps[name]) for p in PHASES},
+            **{k: v for k, v in reps[name][-1].items() if k.endswith("_per_rank") or k == "comm_per_step"},
+        }
+    ratios = {}
+    for name in runs:
+        key = name.removeprefix("fsdp_plus_")
+        # fsdp_plus_<strategy>[_<variant>] is compared with fsdp2_loop_<strategy>
+        loops = [n for n in reps if n.startswith("fsdp2_loop_") and key.startswith(n.removeprefix("fsdp2_loop_"))]
+        if not name.startswith("fsdp_plus_") or not loops or "refused" in reps[loops[0]][0]:
+            continue
+        loop = max(loops, key=len)
+        per_rep = [a["step_time_s"] / b["step_time_s"] for a, b in zip(reps[name], reps[loop], strict=True)]
+        phase_delta = {p: cases[name]["phases_s"][p] - cases[loop]["phases_s"][p] for p in PHASES}
+        ratios[key.upper()] = {
+            **_spread(per_rep),
+            "per_repetition": per_rep,
+            "phase_delta_s": phase_delta,
+        }
+    return {"cases": cases, "overhead_vs_fsdp2_loop": ratios, "int8_vs_bf16_base": _base_ratio(cases)}
+
+
+def _base_ratio(cases: dict[str, Any]) -> dict[str, float] | None:
+    """All-gather bytes per step of the sharded int8 base over the sharded bf16 base: the base's linear
+    weights alone, and everything gathered (LoRA, norms, embeddings and ``lm_head`` travel alike in both)."""
+    int8, bf16 = cases.get("lora_int8_sharded"), cases.get("lora_bf16_sharded")
+    if not int8 or not bf16 or "refused" in int8 or "refused" in bf16:
+        return None
+    a, b = int8["comm_per_step"], bf16["comm_per_step"]
+    return {
+        "base_linear_all_gather_ratio": a["all_gather:base_linear"] / b["all_gather:base_linear"],
+        "total_all_gather_ratio": a["all_gather"] / b["all_gather"],
+    }
+
+
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.2f}"
+
+
+def to_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The results as Markdown tables (with the date, machine and command)."""
+    lines = [
+        f"Benchmarks — {meta['date']}, {meta['machine']}, {meta['world_size']} ranks ({meta['backend']}),"
+        f" {meta['repetitions']} repetitions: `{meta['command']}`",
+        "",
+        "| case | step ms (median) | spread ms | tokens/s | all-gather MiB/step | reduce-scatter MiB/step |"
+        " all-reduce MiB/step | model state MiB/rank | tensor peak MiB/rank |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, case in results["cases"].items():
+        if "refused" in case:
+            lines.append(f"| {name} | refused: {case['refused'][:120]} | | | | | | | |")
+            continue
+        step, comm = case["step_time_s"], case["comm_per_step"]
+        lines.append(
+            f"| {name} | {step['median'] * 1e3:.1f} | {step['min'] * 1e3:.1f}-{step['max'] * 1e3:.1f}"
+            f" | {case['tokens_per_s']['median']:,.0f} | {_mib(comm.get('all_gather', 0))}"
+            f" | {_mib(comm.get('reduce_scatter', 0))} | {_mib(comm.get('all_reduce', 0))}"
+            f" | {_mib(case['model_state_bytes_per_rank'])} | {_mib(case['tensor_peak_bytes_per_rank'])} |"
+        )
+    lines += [
+        "",
+        "fsdp_plus step time ÷ hand-written FSDP2 loop (same repetition), and where the difference goes"
+        " (median ms per phase, fsdp_plus - loop):",
+        "",
+        "| strategy | ratio (median) | spread | forward | backward | optimizer | other |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, ratio in results["overhead_vs_fsdp2_loop"].items():
+        delta = ratio["phase_delta_s"]
+        lines.append(
+            f"| {name} | {ratio['median']:.3f} | {ratio['min']:.3f}-{ratio['max']:.3f} | "
+            + " | ".join(f"{delta[p] * 1e3:+.1f}" for p in PHASES)
+            + " |"
+        )
+    above = {n: r for n, r in results["overhead_vs_fsdp2_loop"].items() if r["median"] > TARGET_RATIO}
+    for name, ratio in above.items():
+        phase, delta = max(ratio["phase_delta_s"].items(), key=lambda item: item[1])
+        lines.append(
+            f"\n{name}: {ratio['median']:.3f} is above the {TARGET_RATIO} target; most of the difference is in"
+            f" `{phase}` (+{delta * 1e3:.1f} ms)."
+            + (" The optimizer phase includes the default `grad_norm` logging: compare FULL_SHARD_NO_GRAD_NORM."
+               if phase == "optimizer" else "")
+        )  # fmt: skip
+    base = results.get("int8_vs_bf16_base")
+    if base:
+        lines += [
+            "",
+            f"Sharded int8 base vs sharded bf16 base, all-gather bytes per step: base linear weights"
+            f" {base['base_linear_all_gather_ratio']:.3f}x, everything gathered {base['total_all_gather_ratio']:.3f}x"
+            " (LoRA, norms, embeddings and lm_head travel in bf16 in both).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def to_png(results: dict[str, Any], path: Path) -> None:
+    """Step time (median with min-max bars) and all-gather bytes per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ran = {k: v for k, v in results["cases"].items() if "refused" not in v}
+    names = list(ran)
+    fig, (ax_time, ax_comm) = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.8), sharey=True)
+    medians = [ran[n]["step_time_s"]["median"] * 1e3 for n in names]
+    errors = [
+        [m - ran[n]["step_time_s"]["min"] * 1e3 for n, m in zip(names, medians, strict=True)],
+        [ran[n]["step_time_s"]["max"] * 1e3 - m for n, m in zip(names, medians, strict=True)],
+    ]
+    ax_time.barh(names, medians, xerr=errors, color="tab:blue")
+    ax_time.set_xlabel("step time, ms (median, min-max over repetitions)")
+    ax_time.invert_yaxis()
+    gathered = [ran[n]["comm_per_step"].get("all_gather", 0) / 2**20 for n in names]
+    reduced = [ran[n]["comm_per_step"].get("all_reduce", 0) / 2**20 for n in names]
+    ax_comm.barh(names, gathered, color="tab:orange", label="all-gather")
+    ax_comm.barh(names, reduced, color="tab:green", left=gathered, label="all-reduce")
+    ax_comm.set_xlabel("MiB per step received (all-gather) / sent (all-reduce)")
+    ax_comm.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_reports(results: dict[str, Any], *, meta: dict[str, Any], out: Path) -> None:
+    """``results.json`` (meta + results), ``results.md`` and ``results.png`` in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"meta": meta, **results}, indent=1))
+    (out / "results.md").write_text(to_markdown(results, meta))
+    to_png(results, out / "results.png")

@@ -192,8 +192,8 @@ class LightningRecorder(Callback):
 
     def memory(self) -> dict[str, int]:
         """Tensor-accounted peaks of this rank."""
-        peak = self.monitor.peak
-        return _memory_figures(peak, self.monitor.model_state_peak)
+        monitor = self.monitor
+        return _memory_figures(monitor.peak, monitor.model_state_peak, monitor.activation_peak)
 
 
 class LoopMemory:
@@ -202,23 +202,24 @@ class LoopMemory:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.peak: MemorySample | None = None
-        self.model_state_peak = 0
+        self.model_state_peak = self.activation_peak = 0
 
     def sample(self, activations: int = 0) -> None:
         """Measure now (pass the saved-activation bytes right after forward)."""
         sample = sample_memory(self.model, optimizers=[self.optimizer], activations=activations, device=self.device)
         self.model_state_peak = max(self.model_state_peak, sample.model_state)
+        self.activation_peak = max(self.activation_peak, activations)
         if self.peak is None or sample.tensor_total > self.peak.tensor_total:
             self.peak = sample
 
     def memory(self) -> dict[str, int]:
         """Tensor-accounted peaks of this rank."""
-        return _memory_figures(self.peak, self.model_state_peak)
+        return _memory_figures(self.peak, self.model_state_peak, self.activation_peak)
 
 
-def _memory_figures(peak: MemorySample | None, model_state_peak: int) -> dict[str, int]:
+def _memory_figures(peak: MemorySample | None, model_state_peak: int, activation_peak: int) -> dict[str, int]:
     return {
         "model_state_bytes": model_state_peak,
         "tensor_peak_bytes": peak.tensor_total if peak else 0,
-        "activation_bytes": peak.activations if peak else 0,
+        "activation_bytes": activation_peak,
     }

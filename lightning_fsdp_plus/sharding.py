@@ -38,10 +38,7 @@ def apply_sharding_plan(
     forward_prefetch: bool = False,
 ) -> list[FSDPModule]:
     """Shard ``model`` in place as the plan says; returns the FSDP modules in plan order (root last)."""
-    from torch.distributed._composable import checkpoint
-
-    for path in plan.activation_checkpointing:
-        checkpoint(model.get_submodule(path))
+    apply_activation_checkpointing(model, plan.activation_checkpointing)
     kwargs = {
         "mesh": mesh,
         "mp_policy": mp_policy or MixedPrecisionPolicy(),
@@ -63,6 +60,14 @@ def apply_sharding_plan(
         order = {id(m): i for i, m in enumerate(model.modules())}
         set_explicit_prefetch(sorted(sharded[:-1], key=lambda m: order[id(m)]))
     return sharded
+
+
+def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> None:
+    """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``)."""
+    from torch.distributed._composable import checkpoint
+
+    for path in paths:
+        checkpoint(model.get_submodule(path))
 
 
 def set_explicit_prefetch(units: list[FSDPModule]) -> None:

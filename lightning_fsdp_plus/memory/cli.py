@@ -3,7 +3,7 @@
     fsdp-plus-estimate --params 7.5e9 --world-size 64
     fsdp-plus-estimate --config path/to/config.json --world-size 8 16 --strategy all \\
         --precision bf16-mixed --optimizer adamw --lora-rank 16 --quantize-base int8 --lora-only \\
-        --batch-size 4 --seq-len 2048 [--simulate] [--json]
+        --batch-size 4 --seq-len 2048 [--activation-checkpointing] [--simulate] [--json]
 
 A table for people by default (GB = 10^9 bytes); ``--json`` prints a machine-readable document (a list of
 them for several world sizes) whose ``strategies`` maps each sharding strategy to its figures in bytes.
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-only", action="store_true", help="replicate the frozen base; shard only what trains")
     parser.add_argument("--quantize-base", choices=["int8"], help="frozen linear weights in int8 (LLM.int8)")
     parser.add_argument("--cpu-offload", action="store_true", help="sharded state in host memory (CUDA)")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="checkpoint every unit but the root (needs --config)"
+    )
     parser.add_argument("--batch-size", type=int, default=1, help="per-rank batch for the activation estimate")
     parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
     parser.add_argument("--simulate", action="store_true", help="also run torch's FSDP2 memory tracker (fake PG)")
@@ -126,7 +129,8 @@ def run(argv: Sequence[str] | None = None) -> str:
             params=args.params, config=args.config, world_size=args.world_size, strategy=args.strategy,
             precision=args.precision, optimizer=args.optimizer, hybrid_shard_size=args.hybrid_shard_size,
             lora=lora, trainable_fraction=args.trainable_fraction, lora_only=args.lora_only,
-            quantize_base=args.quantize_base, cpu_offload=args.cpu_offload, batch_size=args.batch_size,
+            quantize_base=args.quantize_base, cpu_offload=args.cpu_offload,
+            activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size,
             seq_len=args.seq_len, simulate=args.simulate,
         )  # fmt: skip
     except (EstimateError, ValueError) as err:
@@ -140,6 +144,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         + (", int8 base" if args.quantize_base else "")
         + (", frozen base replicated" if args.lora_only else "")
         + (", CPU offload" if args.cpu_offload else "")
+        + (", activation checkpointing" if args.activation_checkpointing else "")
         + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
     )
     return format_table(model, estimates, header=header)

@@ -40,6 +40,7 @@ from lightning_fsdp_plus.plan import (
     resolve_mesh_layout,
 )
 from lightning_fsdp_plus.policies import WrapPolicy, select_unit_paths
+from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 
 STRATEGY_CHOICES = ("all", *ShardingStrategy.__members__)
 """Valid ``strategy`` values: a strategy name (any case) or ``all``."""
@@ -61,6 +62,8 @@ class ModelDescription:
     """False when only a parameter count was given (no per-unit transient then)."""
     activation_bytes: int | None = None
     """Saved-for-backward bytes of one forward at the requested batch x sequence, if counted."""
+    recompute_bytes: int = 0
+    """With activation checkpointing: what one checkpointed unit saves again while its backward recomputes it."""
     source: str = ""
     """Where the description came from (a config path, a module class, a parameter count)."""
 
@@ -88,6 +91,7 @@ class ModelDescription:
             "largest_unit_params": largest,
             "replicated_params": sum(p.numel for p in self.replicated),
             "activation_bytes": self.activation_bytes,
+            "recompute_bytes": self.recompute_bytes,
         }
 
 
@@ -206,6 +210,7 @@ def estimate_strategy(
     if model.units_known and model.units:
         regather = sharding_strategy.reshard_after_forward
         transient = max(unsharded_grads(u) + (compute_copy(u) if regather else 0) for u in model.units)
+        transient += model.recompute_bytes
     host = 0
     if cpu_offload:  # FSDP2's CPUOffloadPolicy keeps the sharded state in host memory
         host, stored, grads, opt = stored + grads + opt, 0, 0, 0
@@ -398,11 +403,17 @@ def describe_config(
     quantize_base: str | None = None,
     quantize_skip: Sequence[str] = ("lm_head",),
     auto_wrap_policy: WrapPolicy = "auto",
+    activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
 ) -> ModelDescription:
     """Build the config's model on FakeTensors (no memory), prepared as the strategy prepares it
-    (LoRA, int8 skeleton), count one forward's activations, and describe it."""
+    (LoRA, int8 skeleton), count one forward's activations, and describe it.
+
+    ``activation_checkpointing`` checkpoints every FSDP unit but the root (the decoder layers under the
+    ``auto`` policy, as ``activation_checkpointing=[<layer class>]`` does) and counts again; what a unit
+    recomputes in backward is the saved bytes it no longer keeps, per unit.
+    """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     hf_config = load_config(config)
@@ -415,14 +426,15 @@ def describe_config(
         to_fake(model)
         ids = torch.randint(0, hf_config.vocab_size, (batch_size, seq_len))
         model.train()
+        description = describe_module(model, lora_only=lora_only, auto_wrap_policy=auto_wrap_policy, source=str(config))
         activations = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
-        return describe_module(
-            model,
-            lora_only=lora_only,
-            auto_wrap_policy=auto_wrap_policy,
-            activation_bytes=activations,
-            source=str(config),
-        )
+        recompute = 0
+        if activation_checkpointing:
+            paths = [p for p in select_unit_paths(model, auto_wrap_policy) if p]
+            apply_activation_checkpointing(model, paths)
+            kept = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
+            recompute, activations = (activations - kept) // max(len(paths), 1), kept
+    return replace(description, activation_bytes=activations, recompute_bytes=recompute)
 
 
 def estimate_memory(
@@ -441,6 +453,7 @@ def estimate_memory(
     quantize_skip: Sequence[str] = ("lm_head",),
     cpu_offload: bool = False,
     auto_wrap_policy: WrapPolicy = "auto",
+    activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
     simulate: bool = False,
@@ -470,6 +483,8 @@ def estimate_memory(
         raise EstimateError("lora (rank, targets) needs config=...; with params=... give trainable_fraction")
     if config is not None and trainable_fraction is not None:
         raise EstimateError("trainable_fraction is for params=...; with config=... give lora (rank, targets)")
+    if activation_checkpointing and config is None:
+        raise EstimateError("activation_checkpointing needs config=... (the layers to checkpoint)")
     if simulate and config is None:
         raise EstimateError("simulate=True builds the model: give config=... (a transformers config.json)")
     if params is not None:
@@ -480,7 +495,8 @@ def estimate_memory(
     else:
         model = describe_config(
             config, precision=precision, lora=lora, lora_only=lora_only, quantize_base=quantize_base,
-            quantize_skip=quantize_skip, auto_wrap_policy=auto_wrap_policy, batch_size=batch_size, seq_len=seq_len,
+            quantize_skip=quantize_skip, auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing=activation_checkpointing, batch_size=batch_size, seq_len=seq_len,
         )  # fmt: skip
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": hybrid_shard_size}
     estimates = [
@@ -494,7 +510,8 @@ def estimate_memory(
         from lightning_fsdp_plus.memory.simulate import simulate_peak
 
         setup = {"lora": lora, "lora_only": lora_only, "quantize_base": quantize_base, "quantize_skip": quantize_skip,
-                 "auto_wrap_policy": auto_wrap_policy, "batch_size": batch_size, "seq_len": seq_len}  # fmt: skip
+                 "auto_wrap_policy": auto_wrap_policy, "activation_checkpointing": activation_checkpointing,
+                 "batch_size": batch_size, "seq_len": seq_len}  # fmt: skip
         strategy_of = {s.value: s for s in ShardingStrategy}
         estimates = [
             replace(e, simulated=simulate_peak(config, sharding_strategy=strategy_of[e.sharding_strategy],

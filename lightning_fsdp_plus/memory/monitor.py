@@ -238,6 +238,8 @@ class MemoryMonitor(Callback):
         """The largest tensor-accounted sample of the run on this rank."""
         self.model_state_peak = 0
         """The largest model state (parameters, unsharded copies, gradients, optimizer) of any sample."""
+        self.activation_peak = 0
+        """The most bytes saved for backward by any step's forward."""
         self.last: MemorySample | None = None
         """The most recent sample."""
         self.step_peaks: list[MemorySample] = []
@@ -254,6 +256,7 @@ class MemoryMonitor(Callback):
         )
         self.last = sample
         self.model_state_peak = max(self.model_state_peak, sample.model_state)
+        self.activation_peak = max(self.activation_peak, sample.activations)
         if self._step_peak is None or sample.tensor_total > self._step_peak.tensor_total:
             self._step_peak = sample
         if self.peak is None or sample.tensor_total > self.peak.tensor_total:
@@ -328,17 +331,20 @@ class MemoryMonitor(Callback):
     def summary(self, trainer: Any) -> dict[str, Any]:
         """Peak figures over all ranks (a collective: call on every rank) for ``metrics.json``.
 
-        ``model_state_bytes_per_rank`` (largest model state of any sample), ``tensor_peak_bytes_per_rank``
-        (largest model state + activations) and ``peak_bytes_per_rank`` (device or process peak) are maxima
-        over ranks; ``memory`` holds the largest rank's peak sample by category, ``memory_per_rank`` every rank's.
+        ``model_state_bytes_per_rank`` (largest model state of any sample), ``activation_bytes_per_rank``
+        (most saved activations), ``tensor_peak_bytes_per_rank`` (largest model state + activations) and
+        ``peak_bytes_per_rank`` (device or process peak) are maxima over ranks; ``memory`` holds the largest
+        rank's peak sample by category, ``memory_per_rank`` every rank's.
         """
         mine = self.peak.to_dict() if self.peak is not None else {}
         device = device_memory(trainer.strategy.root_device)
-        ranks = all_gather_object({**mine, "model_state_peak": self.model_state_peak, "device_peak": device.peak})
+        ranks = all_gather_object({**mine, "model_state_peak": self.model_state_peak,
+                                   "activation_peak": self.activation_peak, "device_peak": device.peak})  # fmt: skip
         largest = max(ranks, key=lambda r: r.get("tensor_total") or 0)
         return {
             "model_state_bytes_per_rank": max(r["model_state_peak"] for r in ranks),
             "tensor_peak_bytes_per_rank": max(r.get("tensor_total") or 0 for r in ranks),
+            "activation_bytes_per_rank": max(r["activation_peak"] for r in ranks),
             "peak_bytes_per_rank": max(r["device_peak"] for r in ranks),
             "memory": largest,
             "memory_per_rank": ranks,

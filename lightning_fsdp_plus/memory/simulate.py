@@ -51,6 +51,7 @@ def simulate_peak(
     quantize_base: str | None = None,
     quantize_skip: Sequence[str] = ("lm_head",),
     auto_wrap_policy: WrapPolicy = "auto",
+    activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
 ) -> dict[str, int]:
@@ -78,12 +79,14 @@ def simulate_peak(
         with FakeTensorMode():
             to_fake(model)
             replicated = frozen_parameters(model) if lora_only else set()
+            unit_paths = select_unit_paths(model, auto_wrap_policy)
             plan = build_sharding_plan(
                 model,
-                unit_paths=select_unit_paths(model, auto_wrap_policy),
+                unit_paths=unit_paths,
                 sharding_strategy=sharding_strategy,
                 mesh=layout,
                 ignored_params=replicated,
+                activation_checkpointing=[p for p in unit_paths if p] if activation_checkpointing else (),
             )
             apply_sharding_plan(
                 model,

@@ -147,6 +147,7 @@ class Recorder(Callback):
             "monitor": {
                 "peak": self.monitor.peak.to_dict(),
                 "model_state_peak": self.monitor.model_state_peak,
+                "activation_peak": self.monitor.activation_peak,
                 "empty_cache_steps": self.monitor.empty_cache_steps,
                 "steps_sampled": len(self.monitor.step_peaks),
             },

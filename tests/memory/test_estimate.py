@@ -12,6 +12,7 @@ import torch
 from lightning_fsdp_plus.memory.assumptions import assumptions_markdown
 from lightning_fsdp_plus.memory.cli import run
 from lightning_fsdp_plus.memory.estimate import count_activations, estimate_memory
+from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 from tests.helpers.launch import REPO
 from tests.helpers.models import LORA, LORA_LLAMA, tiny_llama
 
@@ -77,6 +78,8 @@ def test_json_maps_each_strategy_to_its_model_state(capsys):
          "argument --precision: invalid choice: 'fp8' (choose from '32-true', 'bf16-mixed'"),
         (["--params", "1e9", "--world-size", "8", "--lora-rank", "8"], "--lora-rank needs --config"),
         (["--params", "1e9", "--world-size", "8", "--simulate"], "simulate=True builds the model: give config="),
+        (["--params", "1e9", "--world-size", "8", "--activation-checkpointing"],
+         "activation_checkpointing needs config=..."),
     ],
 )  # fmt: skip
 def test_bad_input_exits_2_naming_key_value_and_choices(capsys, argv, message):
@@ -101,16 +104,22 @@ def test_console_script_prints_a_table_and_fails_with_status_2():
     assert bad.returncode == 2 and "world_size=-2 must be a positive integer" in bad.stderr
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
-def test_fake_forward_counts_the_same_activations_as_a_real_one(tmp_path, precision):
+@pytest.mark.parametrize(("precision", "checkpointing"), [("32-true", False), ("bf16-mixed", False), ("32-true", True)])
+def test_fake_forward_counts_the_same_activations_as_a_real_one(tmp_path, precision, checkpointing):
     model = tiny_llama()
     model.config.save_pretrained(tmp_path)
     dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
     model = model.to(dtype)
     ids = torch.randint(0, model.config.vocab_size, (3, 16))
+    full = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
+    if checkpointing:
+        apply_activation_checkpointing(model, [f"model.layers.{i}" for i in range(len(model.model.layers))])
     real = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
-    description, _ = estimate_memory(config=tmp_path, world_size=2, precision=precision, batch_size=3, seq_len=16)
+    description, _ = estimate_memory(config=tmp_path, world_size=2, precision=precision, batch_size=3, seq_len=16,
+                                     activation_checkpointing=checkpointing)  # fmt: skip
     assert description.activation_bytes == real
+    assert description.recompute_bytes == ((full - real) // len(model.model.layers) if checkpointing else 0)
+    assert (real < full) is checkpointing
 
 
 def test_simulate_agrees_with_the_arithmetic_on_what_both_count(tmp_path):

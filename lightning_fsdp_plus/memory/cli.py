@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--batch-size", type=int, default=1, help="per-rank batch for the activation estimate")
     parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
+    parser.add_argument(
+        "--padded", action="store_true", help="batches carry padding (attention mask): attention saves more"
+    )
     parser.add_argument("--simulate", action="store_true", help="also run torch's FSDP2 memory tracker (fake PG)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
@@ -130,7 +133,7 @@ def run(argv: Sequence[str] | None = None) -> str:
             precision=args.precision, optimizer=args.optimizer, hybrid_shard_size=args.hybrid_shard_size,
             lora=lora, trainable_fraction=args.trainable_fraction, lora_only=args.lora_only,
             quantize_base=args.quantize_base, cpu_offload=args.cpu_offload,
-            activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size,
+            activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
             seq_len=args.seq_len, simulate=args.simulate,
         )  # fmt: skip
     except (EstimateError, ValueError) as err:
@@ -146,6 +149,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         + (", CPU offload" if args.cpu_offload else "")
         + (", activation checkpointing" if args.activation_checkpointing else "")
         + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
+        + (", padded" if args.config and args.padded else "")
     )
     return format_table(model, estimates, header=header)
 

@@ -387,6 +387,18 @@ def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
     return counter.bytes
 
 
+def example_batch(*, vocab_size: int, batch_size: int, seq_len: int, padded: bool) -> dict[str, torch.Tensor]:
+    """Token ids (and labels) for one forward; ``padded`` adds an attention mask with one padded position,
+    as padding collators produce: attention then takes its masked path, which saves more for backward."""
+    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
+    batch = {"input_ids": ids, "labels": ids}
+    if padded:
+        mask = torch.ones(batch_size, seq_len, dtype=torch.long)
+        mask[0, -1] = 0
+        batch["attention_mask"] = mask
+    return batch
+
+
 def compute_dtype(precision: str) -> torch.dtype:
     """The dtype forward runs its parameters in under ``precision``."""
     return {2: torch.bfloat16 if precision.startswith("bf16") else torch.float16, 4: torch.float32}[
@@ -406,6 +418,7 @@ def describe_config(
     activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
+    padded: bool = False,
 ) -> ModelDescription:
     """Build the config's model on FakeTensors (no memory), prepared as the strategy prepares it
     (LoRA, int8 skeleton), count one forward's activations, and describe it.
@@ -424,15 +437,15 @@ def describe_config(
     )
     with FakeTensorMode():
         to_fake(model)
-        ids = torch.randint(0, hf_config.vocab_size, (batch_size, seq_len))
+        batch = example_batch(vocab_size=hf_config.vocab_size, batch_size=batch_size, seq_len=seq_len, padded=padded)
         model.train()
         description = describe_module(model, lora_only=lora_only, auto_wrap_policy=auto_wrap_policy, source=str(config))
-        activations = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
+        activations = count_activations(lambda: model(**batch).loss, precision=precision)
         recompute = 0
         if activation_checkpointing:
             paths = [p for p in select_unit_paths(model, auto_wrap_policy) if p]
             apply_activation_checkpointing(model, paths)
-            kept = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision=precision)
+            kept = count_activations(lambda: model(**batch).loss, precision=precision)
             recompute, activations = (activations - kept) // max(len(paths), 1), kept
     return replace(description, activation_bytes=activations, recompute_bytes=recompute)
 
@@ -456,6 +469,7 @@ def estimate_memory(
     activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
+    padded: bool = False,
     simulate: bool = False,
 ) -> tuple[ModelDescription, list[MemoryEstimate]]:
     """Estimates for every (world size, strategy) pair, from a parameter count or a transformers config.
@@ -496,7 +510,7 @@ def estimate_memory(
         model = describe_config(
             config, precision=precision, lora=lora, lora_only=lora_only, quantize_base=quantize_base,
             quantize_skip=quantize_skip, auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing=activation_checkpointing, batch_size=batch_size, seq_len=seq_len,
+            activation_checkpointing=activation_checkpointing, batch_size=batch_size, seq_len=seq_len, padded=padded,
         )  # fmt: skip
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": hybrid_shard_size}
     estimates = [
@@ -511,7 +525,7 @@ def estimate_memory(
 
         setup = {"lora": lora, "lora_only": lora_only, "quantize_base": quantize_base, "quantize_skip": quantize_skip,
                  "auto_wrap_policy": auto_wrap_policy, "activation_checkpointing": activation_checkpointing,
-                 "batch_size": batch_size, "seq_len": seq_len}  # fmt: skip
+                 "batch_size": batch_size, "seq_len": seq_len, "padded": padded}  # fmt: skip
         strategy_of = {s.value: s for s in ShardingStrategy}
         estimates = [
             replace(e, simulated=simulate_peak(config, sharding_strategy=strategy_of[e.sharding_strategy],

@@ -20,6 +20,7 @@ from lightning_fsdp_plus.memory.estimate import (
     EstimateError,
     _autocast,
     build_meta_model,
+    example_batch,
     load_config,
     to_fake,
 )
@@ -54,6 +55,7 @@ def simulate_peak(
     activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
+    padded: bool = False,
 ) -> dict[str, int]:
     """Rank 0's peak bytes by ``FSDPMemTracker`` category (and ``total``) for two training steps."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -96,13 +98,15 @@ def simulate_peak(
                 ignored_params=replicated,
             )
             opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-            ids = torch.randint(0, hf_config.vocab_size, (batch_size, seq_len))
+            batch = example_batch(
+                vocab_size=hf_config.vocab_size, batch_size=batch_size, seq_len=seq_len, padded=padded
+            )
             tracker = FSDPMemTracker(model, opt)
-            tracker.track_inputs((ids,))
+            tracker.track_inputs(tuple(batch.values()))
             with tracker:
                 for _ in range(2):  # the second step has optimizer state
                     with _autocast(precision):
-                        loss = model(input_ids=ids, labels=ids).loss
+                        loss = model(**batch).loss
                     loss.backward()
                     opt.step()
                     opt.zero_grad()

@@ -39,6 +39,26 @@ def test_held_out_perplexity_falls_by_at_least_20_percent(runs, domain):
     assert metrics["fit_time_s"] < 180
 
 
+@pytest.mark.parametrize("domain", DOMAINS)
+def test_memory_estimate_of_the_experiment_matches_its_metrics(runs, domain):
+    """fsdp-plus-estimate with the run's own settings against what MemoryMonitor wrote into metrics.json."""
+    from omegaconf import OmegaConf
+
+    from lightning_fsdp_plus.memory.estimate import estimate_memory
+
+    cfg = OmegaConf.load(runs[domain] / ".hydra" / "config.yaml")
+    metrics = json.loads((runs[domain] / "metrics.json").read_text())
+    _, (estimate,) = estimate_memory(
+        config=BASE, world_size=metrics["world_size"], strategy=cfg.strategy.sharding_strategy,
+        precision=cfg.precision.name, optimizer="adamw", lora=OmegaConf.to_container(cfg.strategy.lora),
+        lora_only=cfg.strategy.lora_only, quantize_base=cfg.strategy.quantize_base,
+        batch_size=cfg.data.batch_size, seq_len=cfg.data.max_seq_len, padded=True,
+    )  # fmt: skip
+    assert estimate.model_state_bytes_per_rank == pytest.approx(metrics["model_state_bytes_per_rank"], rel=0.10)
+    assert estimate.activation_bytes_per_rank == pytest.approx(metrics["activation_bytes_per_rank"], rel=0.10)
+    assert estimate.peak_bytes_per_rank == pytest.approx(metrics["tensor_peak_bytes_per_rank"], rel=0.10)
+
+
 def _val_loss(model, datamodule) -> float:
     from lightning_fsdp_plus.lm import target_tokens
 

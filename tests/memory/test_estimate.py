@@ -122,6 +122,19 @@ def test_fake_forward_counts_the_same_activations_as_a_real_one(tmp_path, precis
     assert (real < full) is checkpointing
 
 
+def test_padded_batches_take_the_masked_attention_path_and_save_more(tmp_path):
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path)
+    ids = torch.randint(0, model.config.vocab_size, (3, 16))
+    mask = torch.ones_like(ids)
+    mask[0, -1] = 0
+    real = count_activations(lambda: model(input_ids=ids, labels=ids, attention_mask=mask).loss, precision="32-true")
+    plain, _ = estimate_memory(config=tmp_path, world_size=2, precision="32-true", batch_size=3, seq_len=16)
+    padded, _ = estimate_memory(config=tmp_path, world_size=2, precision="32-true", batch_size=3, seq_len=16,
+                                padded=True)  # fmt: skip
+    assert padded.activation_bytes == real > plain.activation_bytes
+
+
 def test_simulate_agrees_with_the_arithmetic_on_what_both_count(tmp_path):
     tiny_llama(0, **LORA_LLAMA).config.save_pretrained(tmp_path)
     _, estimates = estimate_memory(

@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         meta = _meta(args, setting, argv) | {"repetitions": repeats, "wall_s": time.perf_counter() - started}
         write_reports(aggregate(runs), meta=meta, out=args.out)
         print((args.out / "results.md").read_text())
+    # leave together: a rank tearing gloo down while another still works can abort at exit
+    # ("terminate called without an active exception", seen once in CI)
+    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
-from lightning_fsdp_plus._dist import shutdown
+from lightning_fsdp_plus._dist import barrier, shutdown
 from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor, model_state_bytes
@@ -235,5 +235,6 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
+        barrier()  # ranks leave together (see lightning_fsdp_plus._dist.shutdown)
     finally:
         shutdown()

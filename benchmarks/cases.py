@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,6 +39,7 @@ from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.memory import SavedActivations
 from lightning_fsdp_plus.plan import ShardingStrategy, resolve_mesh_layout
+from lightning_fsdp_plus.sharding import init_mesh
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}  # fmt: skip
@@ -167,10 +167,7 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
         sharding_strategy=strategy, world_size=setting.world_size, hybrid_shard_size=setting.hybrid_shard_size
     )
     device = setting.device
-    if layout.two_d:
-        mesh = init_device_mesh(device.type, (layout.replicate, layout.shard), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = init_device_mesh(device.type, (layout.shard,), mesh_dim_names=("shard",))
+    mesh = init_mesh(layout=layout, device_type=device.type)  # torch's init_device_mesh, 1-D or 2-D
     model = _model(setting).to(device)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)

@@ -25,7 +25,7 @@ from lightning.pytorch import Callback
 from torch import nn
 
 from lightning_fsdp_plus.memory import MemoryMonitor
-from lightning_fsdp_plus.memory.monitor import MemorySample, sample_memory
+from lightning_fsdp_plus.memory.monitor import MemoryPeaks, sample_memory
 from lightning_fsdp_plus.metrics import count_tokens
 
 _COUNTED = {
@@ -192,8 +192,7 @@ class LightningRecorder(Callback):
 
     def memory(self) -> dict[str, int]:
         """Tensor-accounted peaks of this rank."""
-        monitor = self.monitor
-        return _memory_figures(monitor.peak, monitor.model_state_peak, monitor.activation_peak)
+        return self.monitor.peaks.figures()
 
 
 class LoopMemory:
@@ -201,25 +200,14 @@ class LoopMemory:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.peak: MemorySample | None = None
-        self.model_state_peak = self.activation_peak = 0
+        self.peaks = MemoryPeaks()
 
     def sample(self, activations: int = 0) -> None:
         """Measure now (pass the saved-activation bytes right after forward)."""
-        sample = sample_memory(self.model, optimizers=[self.optimizer], activations=activations, device=self.device)
-        self.model_state_peak = max(self.model_state_peak, sample.model_state)
-        self.activation_peak = max(self.activation_peak, activations)
-        if self.peak is None or sample.tensor_total > self.peak.tensor_total:
-            self.peak = sample
+        self.peaks.update(
+            sample_memory(self.model, optimizers=[self.optimizer], activations=activations, device=self.device)
+        )
 
     def memory(self) -> dict[str, int]:
         """Tensor-accounted peaks of this rank."""
-        return _memory_figures(self.peak, self.model_state_peak, self.activation_peak)
-
-
-def _memory_figures(peak: MemorySample | None, model_state_peak: int, activation_peak: int) -> dict[str, int]:
-    return {
-        "model_state_bytes": model_state_peak,
-        "tensor_peak_bytes": peak.tensor_total if peak else 0,
-        "activation_bytes": activation_peak,
-    }
+        return self.peaks.figures()

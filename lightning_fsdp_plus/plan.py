@@ -256,11 +256,15 @@ class ShardingPlan:
         return "\n".join([title, *body])
 
 
+def sharded_numel(shape: Sequence[int], shard: int) -> int:
+    """Elements one rank stores for a parameter sharded on dim 0 across ``shard`` ranks (FSDP2 pads dim 0)."""
+    dims = tuple(shape) or (1,)
+    return math.ceil(dims[0] / shard) * math.prod(dims[1:])
+
+
 def sharded_bytes(shape: Sequence[int], dtype: torch.dtype, shard: int) -> int:
     """Bytes one rank stores for a parameter sharded on dim 0 across ``shard`` ranks (FSDP2 pads dim 0)."""
-    dims = tuple(shape) or (1,)
-    rows = math.ceil(dims[0] / shard)
-    return rows * math.prod(dims[1:]) * dtype.itemsize
+    return sharded_numel(shape, shard) * dtype.itemsize
 
 
 def build_sharding_plan(

@@ -51,6 +51,16 @@ _TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 _MIXED_DTYPES = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
+def stored_dtype(precision: str) -> torch.dtype:
+    """The dtype parameters are kept in under ``precision`` (the module is converted for ``-true`` presets)."""
+    return _TRUE_DTYPES.get(precision, torch.float32)
+
+
+def compute_dtype(precision: str) -> torch.dtype:
+    """The dtype forward math runs in under ``precision``."""
+    return {**_TRUE_DTYPES, **_MIXED_DTYPES}.get(precision, torch.float32)
+
+
 def parse_dtype(value: str | torch.dtype | None, *, key: str) -> torch.dtype | None:
     """A dtype from a torch dtype or a name like ``"bf16"``/``"bfloat16"``; errors list the names."""
     if value is None or isinstance(value, torch.dtype):
@@ -145,7 +155,7 @@ class FSDPPlusPrecision(Precision):
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype forward math runs in."""
-        return {**_TRUE_DTYPES, **_MIXED_DTYPES}.get(self.precision, torch.float32)
+        return compute_dtype(self.precision)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

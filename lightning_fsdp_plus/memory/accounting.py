@@ -67,11 +67,6 @@ def _nbytes(tensor: Tensor | None) -> int:
     return 0 if tensor is None else local_bytes(tensor)
 
 
-def unsharded_param_bytes(module: nn.Module) -> int:
-    """Bytes of all-gathered parameters FSDP2 currently holds for the units inside ``module``."""
-    return sum(_nbytes(_unsharded(fp)) for fp in _fsdp_params(module))
-
-
 def model_state_bytes(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer] = ()) -> ModelStateBytes:
     """Bytes of parameters, alive unsharded copies, gradients and optimizer state on this rank.
 

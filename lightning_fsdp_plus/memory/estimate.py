@@ -19,7 +19,6 @@ memory), with bytes per element from :mod:`~lightning_fsdp_plus.memory.assumptio
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from torch import nn
 
 from lightning_fsdp_plus.lora import apply_lora, frozen_parameters
@@ -38,8 +38,10 @@ from lightning_fsdp_plus.plan import (
     ShardingStrategy,
     build_sharding_plan,
     resolve_mesh_layout,
+    sharded_numel,
 )
 from lightning_fsdp_plus.policies import WrapPolicy, select_unit_paths
+from lightning_fsdp_plus.precision import FSDPPlusPrecision, compute_dtype
 from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 
 STRATEGY_CHOICES = ("all", *ShardingStrategy.__members__)
@@ -96,6 +98,30 @@ class ModelDescription:
 
 
 @dataclass(frozen=True)
+class ModelSetup:
+    """How the strategy prepares a config's model, and the batch one forward sees."""
+
+    lora: Any = None
+    """LoRA settings (``peft.LoraConfig`` or its fields); None trains every parameter."""
+    lora_only: bool = False
+    """Replicate the frozen base (``ignored_params``); shard only what trains."""
+    quantize_base: str | None = None
+    """``"int8"``: frozen linear layers become ``Int8Linear``."""
+    quantize_skip: tuple[str, ...] = ("lm_head",)
+    """Layers int8 leaves alone (as ``FSDPPlusStrategy.quantize_skip``)."""
+    auto_wrap_policy: WrapPolicy = "auto"
+    """How FSDP units are chosen (as ``FSDPPlusStrategy.auto_wrap_policy``)."""
+    activation_checkpointing: bool = False
+    """Checkpoint every unit but the root."""
+    batch_size: int = 1
+    """Sequences per rank in the forward that counts activations."""
+    seq_len: int = 2048
+    """Tokens per sequence in that forward."""
+    padded: bool = False
+    """Give that batch an attention mask with a padded position (the masked attention path)."""
+
+
+@dataclass(frozen=True)
 class MemoryEstimate:
     """Estimated bytes per rank for one strategy at one world size (see the module docstring)."""
 
@@ -145,11 +171,11 @@ def _optimizer_states(optimizer: str) -> int:
     return OPTIMIZER_STATES[optimizer.lower()]
 
 
-def check_world_size(world_size: Any, *, key: str = "world_size") -> int:
-    """A positive integer world size, or an EstimateError naming it."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise EstimateError(f"{key}={world_size!r} must be a positive integer (the number of ranks)")
-    return world_size
+def check_positive(value: Any, *, key: str, meaning: str) -> int:
+    """A positive integer, or an EstimateError naming the key and what it counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise EstimateError(f"{key}={value!r} must be a positive integer ({meaning})")
+    return value
 
 
 def parse_strategies(value: str | Sequence[str]) -> list[ShardingStrategy]:
@@ -164,11 +190,8 @@ def parse_strategies(value: str | Sequence[str]) -> list[ShardingStrategy]:
 
 
 def _elements(info: ParamInfo, shard: int) -> int:
-    """Elements of ``info`` one rank stores (FSDP2 pads dim 0 up to a multiple of the shard size)."""
-    if not info.sharded or shard == 1:
-        return info.numel
-    dims = info.shape or (1,)
-    return math.ceil(dims[0] / shard) * math.prod(dims[1:])
+    """Elements of ``info`` one rank stores: its padded dim-0 shard, or all of it when replicated."""
+    return sharded_numel(info.shape, shard) if info.sharded else info.numel
 
 
 def _per_element(info: ParamInfo, float_bytes: int) -> int:
@@ -186,7 +209,7 @@ def estimate_strategy(
     cpu_offload: bool = False,
 ) -> MemoryEstimate:
     """Bytes per rank for one strategy at one world size."""
-    check_world_size(world_size)
+    check_positive(world_size, key="world_size", meaning="the number of ranks")
     pb, states = _precision_bytes(precision), _optimizer_states(optimizer)
     try:
         shard = resolve_mesh_layout(
@@ -290,40 +313,39 @@ def describe_param_count(
     )
 
 
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build_meta_model(
-    hf_config: Any,
-    *,
-    dtype: torch.dtype,
-    lora: Any = None,
-    quantize_base: str | None = None,
-    quantize_skip: Sequence[str] = ("lm_head",),
-) -> nn.Module:
+def build_meta_model(hf_config: Any, *, dtype: torch.dtype, setup: ModelSetup) -> nn.Module:
     """The config's causal LM on the meta device, prepared as the strategy prepares it: LoRA applied
     (or everything trainable), the int8 candidates swapped for ``Int8Linear`` of the same shapes."""
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"), _default_dtype(dtype):
+    with torch.device("meta"), _DtypeContextManager(dtype):
         model = AutoModelForCausalLM.from_config(hf_config)
-        if lora is not None:  # as the strategy does it: on the model inside a (Lightning) module
+        if setup.lora is not None:  # as the strategy does it: on the model inside a (Lightning) module
             holder = nn.Module()
             holder.model = model
-            apply_lora(holder, lora)
+            apply_lora(holder, setup.lora)
             model = holder.model
         else:
             model.requires_grad_(True)
-        if quantize_base == "int8":
-            _int8_skeleton(model, skip=quantize_skip)
+        if setup.quantize_base == "int8":
+            _int8_skeleton(model, skip=setup.quantize_skip)
     return model
+
+
+@contextmanager
+def fake_model(config: str | Path, *, dtype: torch.dtype, setup: ModelSetup) -> Iterator[tuple[nn.Module, dict]]:
+    """``(model, batch)`` on CPU FakeTensors inside ``FakeTensorMode``: the prepared model in ``dtype`` and
+    one example batch of the setup's size."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    hf_config = load_config(config)
+    model = build_meta_model(hf_config, dtype=dtype, setup=setup)
+    with FakeTensorMode():
+        to_fake(model)
+        model.train()
+        yield model, example_batch(
+            vocab_size=hf_config.vocab_size, batch_size=setup.batch_size, seq_len=setup.seq_len, padded=setup.padded
+        )
 
 
 def to_fake(model: nn.Module) -> nn.Module:
@@ -375,14 +397,9 @@ def _int8_skeleton(model: nn.Module, *, skip: Sequence[str]) -> list[str]:
     return paths
 
 
-def _autocast(precision: str, device_type: str = "cpu") -> Any:
-    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    return torch.autocast(device_type, dtype=dtype) if dtype else torch.autocast(device_type, enabled=False)
-
-
 def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
-    """Bytes autograd saves while ``run_forward`` runs (under the precision's autocast)."""
-    with SavedActivations() as counter, _autocast(precision):
+    """Bytes autograd saves while ``run_forward`` runs in the precision plugin's forward context (CPU)."""
+    with SavedActivations() as counter, FSDPPlusPrecision(precision).forward_context():  # type: ignore[arg-type]
         run_forward()
     return counter.bytes
 
@@ -399,51 +416,22 @@ def example_batch(*, vocab_size: int, batch_size: int, seq_len: int, padded: boo
     return batch
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    """The dtype forward runs its parameters in under ``precision``."""
-    return {2: torch.bfloat16 if precision.startswith("bf16") else torch.float16, 4: torch.float32}[
-        _precision_bytes(precision).compute
-    ]
-
-
-def describe_config(
-    config: str | Path,
-    *,
-    precision: str = "bf16-mixed",
-    lora: Any = None,
-    lora_only: bool = False,
-    quantize_base: str | None = None,
-    quantize_skip: Sequence[str] = ("lm_head",),
-    auto_wrap_policy: WrapPolicy = "auto",
-    activation_checkpointing: bool = False,
-    batch_size: int = 1,
-    seq_len: int = 2048,
-    padded: bool = False,
-) -> ModelDescription:
+def describe_config(config: str | Path, *, precision: str, setup: ModelSetup) -> ModelDescription:
     """Build the config's model on FakeTensors (no memory), prepared as the strategy prepares it
     (LoRA, int8 skeleton), count one forward's activations, and describe it.
 
-    ``activation_checkpointing`` checkpoints every FSDP unit but the root (the decoder layers under the
-    ``auto`` policy, as ``activation_checkpointing=[<layer class>]`` does) and counts again; what a unit
+    ``setup.activation_checkpointing`` checkpoints every FSDP unit but the root (the decoder layers under
+    the ``auto`` policy, as ``activation_checkpointing=[<layer class>]`` does) and counts again; what a unit
     recomputes in backward is the saved bytes it no longer keeps, per unit.
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    hf_config = load_config(config)
-    for key, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        check_world_size(value, key=key)
-    model = build_meta_model(
-        hf_config, dtype=compute_dtype(precision), lora=lora, quantize_base=quantize_base, quantize_skip=quantize_skip
-    )
-    with FakeTensorMode():
-        to_fake(model)
-        batch = example_batch(vocab_size=hf_config.vocab_size, batch_size=batch_size, seq_len=seq_len, padded=padded)
-        model.train()
-        description = describe_module(model, lora_only=lora_only, auto_wrap_policy=auto_wrap_policy, source=str(config))
+    with fake_model(config, dtype=compute_dtype(precision), setup=setup) as (model, batch):
+        description = describe_module(
+            model, lora_only=setup.lora_only, auto_wrap_policy=setup.auto_wrap_policy, source=str(config)
+        )
         activations = count_activations(lambda: model(**batch).loss, precision=precision)
         recompute = 0
-        if activation_checkpointing:
-            paths = [p for p in select_unit_paths(model, auto_wrap_policy) if p]
+        if setup.activation_checkpointing:
+            paths = [p for p in select_unit_paths(model, setup.auto_wrap_policy) if p]
             apply_activation_checkpointing(model, paths)
             kept = count_activations(lambda: model(**batch).loss, precision=precision)
             recompute, activations = (activations - kept) // max(len(paths), 1), kept
@@ -485,7 +473,9 @@ def estimate_memory(
     if not sizes:
         raise EstimateError("world_size=[] needs at least one positive integer")
     for size in sizes:
-        check_world_size(size)
+        check_positive(size, key="world_size", meaning="the number of ranks")
+    check_positive(batch_size, key="batch_size", meaning="sequences per rank")
+    check_positive(seq_len, key="seq_len", meaning="tokens per sequence")
     strategies = parse_strategies(strategy)
     _precision_bytes(precision)
     _optimizer_states(optimizer)
@@ -507,11 +497,12 @@ def estimate_memory(
             quantize_base=quantize_base, lora_only=lora_only,
         )  # fmt: skip
     else:
-        model = describe_config(
-            config, precision=precision, lora=lora, lora_only=lora_only, quantize_base=quantize_base,
-            quantize_skip=quantize_skip, auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing=activation_checkpointing, batch_size=batch_size, seq_len=seq_len, padded=padded,
+        setup = ModelSetup(
+            lora=lora, lora_only=lora_only, quantize_base=quantize_base, quantize_skip=tuple(quantize_skip),
+            auto_wrap_policy=auto_wrap_policy, activation_checkpointing=activation_checkpointing,
+            batch_size=batch_size, seq_len=seq_len, padded=padded,
         )  # fmt: skip
+        model = describe_config(config, precision=precision, setup=setup)
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": hybrid_shard_size}
     estimates = [
         estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=cpu_offload, **common)
@@ -523,13 +514,10 @@ def estimate_memory(
     if simulate:
         from lightning_fsdp_plus.memory.simulate import simulate_peak
 
-        setup = {"lora": lora, "lora_only": lora_only, "quantize_base": quantize_base, "quantize_skip": quantize_skip,
-                 "auto_wrap_policy": auto_wrap_policy, "activation_checkpointing": activation_checkpointing,
-                 "batch_size": batch_size, "seq_len": seq_len, "padded": padded}  # fmt: skip
         strategy_of = {s.value: s for s in ShardingStrategy}
         estimates = [
             replace(e, simulated=simulate_peak(config, sharding_strategy=strategy_of[e.sharding_strategy],
-                                               world_size=e.world_size, **common, **setup))
+                                               world_size=e.world_size, setup=setup, **common))
             for e in estimates
         ]  # fmt: skip
     return model, estimates

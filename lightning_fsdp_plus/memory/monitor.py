@@ -188,6 +188,34 @@ def sample_memory(
     )
 
 
+@dataclass
+class MemoryPeaks:
+    """The largest samples seen: by tensor-accounted total, by model state, and the most activations."""
+
+    peak: MemorySample | None = None
+    """The sample with the largest ``tensor_total``."""
+    model_state: MemorySample | None = None
+    """The sample with the largest ``model_state``."""
+    activations: int = 0
+    """The most bytes saved for backward by one forward."""
+
+    def update(self, sample: MemorySample) -> None:
+        """Keep ``sample`` where it is the largest so far."""
+        if self.peak is None or sample.tensor_total > self.peak.tensor_total:
+            self.peak = sample
+        if self.model_state is None or sample.model_state > self.model_state.model_state:
+            self.model_state = sample
+        self.activations = max(self.activations, sample.activations)
+
+    def figures(self) -> dict[str, int]:
+        """Model-state, tensor-peak and activation bytes."""
+        return {
+            "model_state_bytes": self.model_state.model_state if self.model_state else 0,
+            "tensor_peak_bytes": self.peak.tensor_total if self.peak else 0,
+            "activation_bytes": self.activations,
+        }
+
+
 def format_sample(sample: MemorySample, *, title: str) -> str:
     """A small text table of one sample, in MiB."""
     rows = [(name, value) for name, value in sample.to_dict().items() if value is not None]
@@ -234,12 +262,8 @@ class MemoryMonitor(Callback):
         self.summary_every_n_steps = summary_every_n_steps
         self.summary_dir = summary_dir
         self.summary_on_exception = summary_on_exception
-        self.peak: MemorySample | None = None
-        """The largest tensor-accounted sample of the run on this rank."""
-        self.model_state_peak = 0
-        """The largest model state (parameters, unsharded copies, gradients, optimizer) of any sample."""
-        self.activation_peak = 0
-        """The most bytes saved for backward by any step's forward."""
+        self.peaks = MemoryPeaks()
+        """The run's largest samples on this rank."""
         self.last: MemorySample | None = None
         """The most recent sample."""
         self.step_peaks: list[MemorySample] = []
@@ -249,18 +273,30 @@ class MemoryMonitor(Callback):
         self._activations = SavedActivations()
         self._step_peak: MemorySample | None = None
 
+    @property
+    def peak(self) -> MemorySample | None:
+        """The largest tensor-accounted sample of the run on this rank."""
+        return self.peaks.peak
+
+    @property
+    def model_state_peak(self) -> int:
+        """The largest model state (parameters, unsharded copies, gradients, optimizer) of any sample."""
+        return self.peaks.figures()["model_state_bytes"]
+
+    @property
+    def activation_peak(self) -> int:
+        """The most bytes saved for backward by any step's forward."""
+        return self.peaks.activations
+
     # ---- sampling --------------------------------------------------------------------------------------
     def _sample(self, trainer: Any, module: nn.Module, activations: int) -> None:
         sample = sample_memory(
             module, optimizers=trainer.optimizers, activations=activations, device=trainer.strategy.root_device
         )
         self.last = sample
-        self.model_state_peak = max(self.model_state_peak, sample.model_state)
-        self.activation_peak = max(self.activation_peak, sample.activations)
+        self.peaks.update(sample)
         if self._step_peak is None or sample.tensor_total > self._step_peak.tensor_total:
             self._step_peak = sample
-        if self.peak is None or sample.tensor_total > self.peak.tensor_total:
-            self.peak = sample
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         """Empty the cache when due and start counting saved activations."""

@@ -9,27 +9,17 @@ the tracker reports what rank 0 would hold, by category, at its peak.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from lightning_fsdp_plus.lora import frozen_parameters
-from lightning_fsdp_plus.memory.estimate import (
-    EstimateError,
-    _autocast,
-    build_meta_model,
-    example_batch,
-    load_config,
-    to_fake,
-)
+from lightning_fsdp_plus.memory.estimate import EstimateError, ModelSetup, fake_model
 from lightning_fsdp_plus.plan import ShardingStrategy, build_sharding_plan, resolve_mesh_layout
-from lightning_fsdp_plus.policies import WrapPolicy, select_unit_paths
-from lightning_fsdp_plus.precision import mixed_precision_policy
+from lightning_fsdp_plus.policies import select_unit_paths
+from lightning_fsdp_plus.precision import FSDPPlusPrecision, mixed_precision_policy, stored_dtype
 from lightning_fsdp_plus.sharding import apply_sharding_plan, init_mesh
-
-_STORED_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16}
 
 
 def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -47,65 +37,41 @@ def simulate_peak(
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
     hybrid_shard_size: int | None = None,
-    lora: Any = None,
-    lora_only: bool = False,
-    quantize_base: str | None = None,
-    quantize_skip: Sequence[str] = ("lm_head",),
-    auto_wrap_policy: WrapPolicy = "auto",
-    activation_checkpointing: bool = False,
-    batch_size: int = 1,
-    seq_len: int = 2048,
-    padded: bool = False,
+    setup: ModelSetup | None = None,
 ) -> dict[str, int]:
     """Rank 0's peak bytes by ``FSDPMemTracker`` category (and ``total``) for two training steps."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    setup = setup or ModelSetup()
     if dist.is_initialized():
         raise EstimateError("simulate=True starts a fake process group: run it where none is initialised")
-    hf_config = load_config(config)
     layout = resolve_mesh_layout(
         sharding_strategy=sharding_strategy, world_size=world_size, hybrid_shard_size=hybrid_shard_size
     )
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try:
         mesh = init_mesh(layout=layout, device_type="cpu")  # real tensors: the mesh reads its ranks
-        model = build_meta_model(
-            hf_config,
-            dtype=_STORED_DTYPES.get(precision, torch.float32),
-            lora=lora,
-            quantize_base=quantize_base,
-            quantize_skip=quantize_skip,
-        )
-        with FakeTensorMode():
-            to_fake(model)
-            replicated = frozen_parameters(model) if lora_only else set()
-            unit_paths = select_unit_paths(model, auto_wrap_policy)
+        with fake_model(config, dtype=stored_dtype(precision), setup=setup) as (model, batch):
+            replicated = frozen_parameters(model) if setup.lora_only else set()
+            unit_paths = select_unit_paths(model, setup.auto_wrap_policy)
             plan = build_sharding_plan(
                 model,
                 unit_paths=unit_paths,
                 sharding_strategy=sharding_strategy,
                 mesh=layout,
                 ignored_params=replicated,
-                activation_checkpointing=[p for p in unit_paths if p] if activation_checkpointing else (),
+                activation_checkpointing=[p for p in unit_paths if p] if setup.activation_checkpointing else (),
             )
             apply_sharding_plan(
-                model,
-                plan,
-                mesh=mesh,
-                mp_policy=mixed_precision_policy(precision=precision),
-                ignored_params=replicated,
+                model, plan, mesh=mesh, mp_policy=mixed_precision_policy(precision=precision), ignored_params=replicated
             )
             opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-            batch = example_batch(
-                vocab_size=hf_config.vocab_size, batch_size=batch_size, seq_len=seq_len, padded=padded
-            )
             tracker = FSDPMemTracker(model, opt)
             tracker.track_inputs(tuple(batch.values()))
             with tracker:
                 for _ in range(2):  # the second step has optimizer state
-                    with _autocast(precision):
+                    with FSDPPlusPrecision(precision).forward_context():  # type: ignore[arg-type]
                         loss = model(**batch).loss
                     loss.backward()
                     opt.step()

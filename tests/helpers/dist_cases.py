@@ -22,7 +22,7 @@ from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
 from lightning_fsdp_plus._dist import barrier, shutdown
 from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
-from lightning_fsdp_plus.memory import MemoryMonitor, model_state_bytes
+from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.accounting import local_bytes
 from lightning_fsdp_plus.quantization import Int8Linear
 from tests.helpers.models import (
@@ -73,12 +73,11 @@ LORA_STEPS, LORA_LR = 20, 0.5
 
 
 class Recorder(Callback):
-    """Global loss per step, peak model-state bytes, scaler scale and whether the local shard moved."""
+    """Global loss per step, scaler scale, whether the local shard moved; memory from the MemoryMonitor."""
 
     def __init__(self, name: str, out: Path, monitor: MemoryMonitor) -> None:
         self.name, self.out, self.monitor = name, out, monitor
         self.losses: list[float] = []
-        self.peak: dict[str, int] = {}
         self.scales: list[float] = []
         self.stepped: list[bool] = []
         self.grad_norms: list[float] = []
@@ -98,22 +97,12 @@ class Recorder(Callback):
             layer.register_forward_hook(capture)
         self._before: float = 0.0
 
-    def _sample(self, trainer, module) -> None:
-        sample = model_state_bytes(module, trainer.optimizers).to_dict()
-        if sample["total"] > self.peak.get("total", -1):
-            self.peak = sample
-
-    def on_before_backward(self, trainer, module, loss) -> None:
-        self._sample(trainer, module)
-
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-        self._sample(trainer, module)
         frozen = sum(1 for p in module.parameters() if not p.requires_grad and p.grad is not None)
         self.frozen_with_grad = max(self.frozen_with_grad, frozen)
         self._before = _local_checksum(module)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self._sample(trainer, module)
         loss = outputs["loss"].detach().float()
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
         self.stepped.append(_local_checksum(module) != self._before)
@@ -131,7 +120,7 @@ class Recorder(Callback):
         full = get_model_state_dict(trainer.strategy.model, options=options)
         record = {
             "losses": self.losses,
-            "peak_bytes": self.peak,
+            "peak_bytes": _model_state_peak(self.monitor),
             "scales": self.scales,
             "stepped": self.stepped,
             "grad_norms": self.grad_norms,
@@ -174,6 +163,13 @@ class InjectInf(Callback):
         if trainer.global_step == self.step and trainer.global_rank == 1:
             grad = next(p for p in module.parameters() if p.grad is not None).grad
             grad.to_local().view(-1)[0] = float("inf")
+
+
+def _model_state_peak(monitor: MemoryMonitor) -> dict[str, int]:
+    """The monitor's largest model-state sample: params, unsharded_params, grads, optimizer and their total."""
+    sample = monitor.peaks.model_state.to_dict()
+    categories = {k: sample[k] for k in ("params", "unsharded_params", "grads", "optimizer")}
+    return categories | {"total": sample["model_state"]}
 
 
 def _local_checksum(module) -> float:

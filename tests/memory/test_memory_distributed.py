@@ -7,13 +7,13 @@ import copy
 import pytest
 
 from lightning_fsdp_plus.memory.estimate import (
-    compute_dtype,
     count_activations,
     describe_module,
     estimate_memory,
     estimate_strategy,
 )
 from lightning_fsdp_plus.plan import ShardingStrategy
+from lightning_fsdp_plus.precision import compute_dtype
 from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 from tests.conftest import load_case
 from tests.helpers.models import LORA, LORA_LLAMA, SEQ, Block, TinyLM, TokenDataset, lm_loss, tiny_llama

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch.distributed as dist
+
+# These modules bind the default process group into default arguments when imported (``group=group.WORLD``).
+# Imported after ``init_process_group``, they would keep the group, and its gloo threads, alive past
+# ``destroy_process_group`` until interpreter exit. Importing them with this package, before a group exists,
+# lets :func:`shutdown` really free it.
+import torch.distributed.fsdp.sharded_grad_scaler
+import torch.distributed.nn.functional
+import torch.distributed.optim  # noqa: F401
 
 
 def initialized() -> bool:
@@ -33,13 +42,34 @@ def broadcast_object(obj: Any) -> Any:
 
 
 def shutdown() -> None:
-    """Destroy the default process group, if any, so the process exits without tearing gloo down mid-flight.
+    """Destroy every process group and free it now, while the interpreter is fully alive.
 
-    Left to interpreter exit, gloo's threads can be destroyed in the wrong order and abort the process
-    ("terminate called without an active exception") after the work is done.
+    A gloo group that is still referenced is only torn down at interpreter exit, when its worker threads can
+    abort the finished process ("terminate called without an active exception"). ``destroy_process_group``
+    drops torch's own references; DTensor's caches and reference cycles (trainer, strategy, model) hold the
+    rest, so both are cleared here too.
     """
     if initialized():
         dist.destroy_process_group()
+    _clear_dtensor_caches()
+    gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's memo caches: their keys and values hold device meshes, and a mesh holds its groups.
+
+    The caches are torch internals (torch 2.13); ``tests/test_dist.py`` fails if one is missed.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute as redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # op sharding decisions (the Python and the fast-path cache)
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
+    redistribute.clear_redistribute_planner_cache()  # weakly keyed, but each planner holds its mesh
+    redistribute._gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
-from lightning_fsdp_plus._dist import barrier, shutdown
+from lightning_fsdp_plus._dist import barrier, rank, shutdown
 from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor
@@ -36,6 +36,7 @@ from tests.helpers.models import (
     sgd_causal_lm,
     tiny_llama,
 )
+from tests.helpers.threads import gloo_threads
 
 STEPS = 6
 
@@ -217,20 +218,31 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
             torch.save(module.state_dict(), out / f"{name}.main.pt")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--start-method", default="popen")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.cases.split(","):
         run_case(name, args.out, args.start_method)
+
+
+def record_exit_threads(out: Path, process_rank: int) -> None:
+    """After :func:`shutdown`: the gloo threads still alive, which interpreter exit would have to tear down."""
+    (out / f"exit_threads.rank{process_rank}.json").write_text(json.dumps(gloo_threads()))
 
 
 if __name__ == "__main__":
     try:
         main()
         barrier()  # ranks leave together (see lightning_fsdp_plus._dist.shutdown)
+        finished_rank = rank()
     finally:
         shutdown()
+    record_exit_threads(parse_args().out, finished_rank)

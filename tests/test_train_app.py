@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launch import subprocess_env
+from tests.helpers.launch import failure_excerpt, subprocess_env
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
 METRIC_KEYS = {"sharding_strategy", "world_size", "peak_bytes_per_rank", "model_state_bytes_per_rank", "memory",
@@ -28,7 +28,7 @@ def run_app(args: list[str], cwd: Path, *, module: bool = False, timeout: float 
 def test_single_run_writes_metrics_and_keeps_outputs_in_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     proc = run_app([*QUICK, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert set(metrics) >= METRIC_KEYS
     assert metrics["world_size"] == 2 and metrics["sharding_strategy"] == "FULL_SHARD"
@@ -48,7 +48,7 @@ def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path
     sweep_dir = tmp_path / "sweep"
     args = ["-m", "strategy=full_shard,shard_grad_op", "trainer.devices=2", *QUICK, f"hydra.sweep.dir={sweep_dir}"]
     proc = run_app(args, cwd=tmp_path, module=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
     assert [p.name.split("_", 1)[0] for p in jobs] == ["0", "1"]  # exactly one job per value
     strategies = []

@@ -9,7 +9,7 @@ import json
 import subprocess
 import sys
 
-from tests.helpers.launch import REPO, subprocess_env
+from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 CASES = "fsdp_plus_full_shard,fsdp2_loop_full_shard,lightning_fsdp,lightning_ddp,lora_int8_sharded,lora_bf16_sharded"
 
@@ -18,7 +18,7 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path):
     command = [sys.executable, "-m", "benchmarks.run", "--quick", "--repeats", "1", "--cases", CASES,
                "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["meta"]["world_size"] == 2 and results["meta"]["repetitions"] == 1
     cases = results["cases"]

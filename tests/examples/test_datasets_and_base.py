@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers.launch import REPO, subprocess_env
+from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
@@ -55,7 +55,7 @@ def test_rebuilding_the_tiny_base_reproduces_it(tmp_path):
     shipped = EXAMPLES / "assets" / "tiny-llama"
     proc = subprocess.run([sys.executable, str(EXAMPLES / "assets" / "build_tiny_base.py"), "--out", str(tmp_path)],
                           env=subprocess_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((shipped / "tokenizer.json").read_text())
     rebuilt = json.loads((tmp_path / "build_info.json").read_text())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.launch import REPO, subprocess_env
+from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 BASE = REPO / "examples" / "assets" / "tiny-llama"
 DOMAINS = ["medical_lora", "legal_lora"]
@@ -27,7 +27,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     command = [sys.executable, "-m", "lightning_fsdp_plus.train", "-m", "experiment=medical_lora,legal_lora",
                "trainer.max_steps=60", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
     return {d: next(p for p in sweep.iterdir() if f"experiment={d}" in p.name) for d in DOMAINS}
 
 

@@ -15,10 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def subprocess_env() -> dict[str, str]:
-    """The environment for launched scripts: repository importable, one OpenMP thread, no stale rank."""
+    """The environment for launched scripts.
+
+    Repository importable, one OpenMP thread, faulthandler on, no stale rank.
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")  # a rank that aborts prints every thread's Python stack
     env.pop("LOCAL_RANK", None)  # a stale value would make Lightning think the ranks already exist
     return env
 
@@ -26,7 +30,7 @@ def subprocess_env() -> dict[str, str]:
 def run_script(script: str | Path, *args: str, torchrun: int | None = None, timeout: float = 600) -> str:
     """Run ``script`` (with Lightning's own launcher, or under ``torchrun --nproc_per_node N``).
 
-    Returns the combined output; raises AssertionError with the output's tail when the run fails.
+    Returns the combined output; when the run fails, raises AssertionError with :func:`failure_excerpt`.
     """
     command = [sys.executable, str(script), *args]
     if torchrun:
@@ -34,5 +38,18 @@ def run_script(script: str | Path, *args: str, torchrun: int | None = None, time
                    "--standalone", str(script), *args]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{output[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(command)} failed ({proc.returncode}):\n{failure_excerpt(output)}"
     return output
+
+
+FAILURE_MARKERS = ("Traceback (most recent call last)", "Fatal Python error", "terminate called")
+"""How a failing rank announces itself: a Python traceback, faulthandler's dump, a C++ abort."""
+
+
+def failure_excerpt(output: str, *, chars: int = 6000) -> str:
+    """The first failure (where a rank went wrong first) and the output's tail (how the launch ended)."""
+    starts = [i for i in (output.find(marker) for marker in FAILURE_MARKERS) if i >= 0]
+    first = min(starts, default=-1)
+    if first < 0 or first >= len(output) - chars:
+        return output[-chars:]
+    return f"{output[first : first + chars]}\n[...]\n{output[-chars:]}"

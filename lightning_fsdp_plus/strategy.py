@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -21,6 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_fsdp_plus._dist import shutdown
 from lightning_fsdp_plus.checkpoint import (
     is_sharded_checkpoint,
     load_full,
@@ -255,6 +257,10 @@ class FSDPPlusStrategy(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
+        # free the groups at exit while the interpreter is still whole (see _dist.shutdown); Lightning only
+        # destroys nccl groups at exit, and a gloo group left to interpreter teardown can abort the process
+        atexit.unregister(shutdown)  # once per process, however many fits
+        atexit.register(shutdown)
         self._device_mesh = init_mesh(layout=self.mesh_layout, device_type=self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh

@@ -11,6 +11,7 @@ Every case writes ``DIR/<case>.rank<r>.json`` (losses, memory, scaler) and rank 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
-from lightning_fsdp_plus._dist import barrier, rank, shutdown
+from lightning_fsdp_plus._dist import barrier, rank
 from lightning_fsdp_plus.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor
@@ -229,20 +230,20 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    finished: dict[str, int] = {}
+    # registered before any fit, so it runs after the strategy's own exit handler (atexit is last in, first out)
+    atexit.register(record_exit_threads, args.out, finished)
     for name in args.cases.split(","):
         run_case(name, args.out, args.start_method)
+    finished["rank"] = rank()
 
 
-def record_exit_threads(out: Path, process_rank: int) -> None:
-    """After :func:`shutdown`: the gloo threads still alive, which interpreter exit would have to tear down."""
-    (out / f"exit_threads.rank{process_rank}.json").write_text(json.dumps(gloo_threads()))
+def record_exit_threads(out: Path, finished: dict[str, int]) -> None:
+    """At exit, after the strategy's handler: the gloo threads still alive, left for interpreter teardown."""
+    if "rank" in finished:  # this process trained every case
+        (out / f"exit_threads.rank{finished['rank']}.json").write_text(json.dumps(gloo_threads()))
 
 
 if __name__ == "__main__":
-    try:
-        main()
-        barrier()  # ranks leave together (see lightning_fsdp_plus._dist.shutdown)
-        finished_rank = rank()
-    finally:
-        shutdown()
-    record_exit_threads(parse_args().out, finished_rank)
+    main()
+    barrier()  # ranks leave together; the process group is freed by FSDPPlusStrategy's exit handler

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -58,18 +59,27 @@ def shutdown() -> None:
 def _clear_dtensor_caches() -> None:
     """Empty DTensor's memo caches: their keys and values hold device meshes, and a mesh holds its groups.
 
-    The caches are torch internals (torch 2.13); ``tests/test_dist.py`` fails if one is missed.
+    The caches are torch internals. One this torch version lacks is skipped; with the pinned torch,
+    ``tests/test_dist.py`` fails if one that holds a group is missed.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, debug
     from torch.distributed.tensor import _redistribute as redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
-    _clear_sharding_prop_cache()  # op sharding decisions (the Python and the fast-path cache)
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()
-    redistribute.clear_redistribute_planner_cache()  # weakly keyed, but each planner holds its mesh
-    redistribute._gen_transform_infos.cache_clear()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+    def cache_clear(fn: object) -> Callable[[], object] | None:
+        return getattr(fn, "cache_clear", None)
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clears = (
+        getattr(debug, "_clear_sharding_prop_cache", None),  # op sharding decisions (Python and fast path)
+        cache_clear(getattr(propagator, "_propagate_tensor_meta_cached", None)),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),  # weakly keyed; planners hold meshes
+        cache_clear(getattr(redistribute, "_gen_transform_infos", None)),
+        cache_clear(getattr(MeshTopoInfo, "build_from_mesh", None)),
+    )
+    for clear in clears:
+        if clear is not None:
+            clear()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import lightning_fsdp_plus  # noqa: F401  (registers strategy="fsdp_plus")
 from lightning_fsdp_plus import FSDPPlusStrategy
-from lightning_fsdp_plus._dist import barrier, shutdown
+from lightning_fsdp_plus._dist import barrier
 from lightning_fsdp_plus.data import SyntheticLMDataModule
 from lightning_fsdp_plus.lm import CausalLMModule
 
@@ -63,8 +63,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-        barrier()  # ranks leave together (see lightning_fsdp_plus._dist.shutdown)
-    finally:
-        shutdown()
+    main()
+    barrier()  # ranks leave together; FSDPPlusStrategy frees the process group at exit

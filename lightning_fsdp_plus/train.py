@@ -43,7 +43,7 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_fsdp_plus._dist import barrier, shutdown
+from lightning_fsdp_plus._dist import barrier
 from lightning_fsdp_plus.config import register_configs
 from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
 from lightning_fsdp_plus.generate import greedy_generate
@@ -197,11 +197,8 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any] | None:
 def main() -> None:
     """Console entry point ``fsdp-plus-train``."""
     register_configs()
-    try:
-        _hydra_main()
-        barrier()  # ranks leave together: gloo torn down while a peer still works can abort at exit
-    finally:
-        shutdown()
+    _hydra_main()
+    barrier()  # ranks leave together; FSDPPlusStrategy frees the process group at exit
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from torch.utils.data import DataLoader
 
 import lightning_fsdp_plus.checkpoint as checkpoint_module
 from lightning_fsdp_plus import FSDPPlusStrategy
-from lightning_fsdp_plus._dist import shutdown
 from tests.helpers.models import StridedSampler, TokenDataset, lora_llama, sgd_causal_lm, tiny_llama
 
 STEPS_PER_EPOCH, BATCH = 4, 4
@@ -106,7 +105,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        shutdown()
+    main()  # FSDPPlusStrategy frees the process group at exit

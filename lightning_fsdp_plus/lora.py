@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from lightning_fsdp_plus._dist import barrier, rank
 
 _ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""LoRA's default ``target_modules``: every attention and MLP projection of Llama-style models."""
 
 
 def make_lora_config(lora: Any, *, key: str = "lora") -> Any:
@@ -114,8 +116,7 @@ def apply_lora(module: nn.Module, lora: Any) -> str:
     config = make_lora_config(lora)
     path, host = _lora_host(module)
     check_target_modules(host, config)
-    parent_path, _, name = path.rpartition(".")
-    setattr(module.get_submodule(parent_path) if parent_path else module, name, get_peft_model(host, config))
+    module.set_submodule(path, get_peft_model(host, config))
     return path
 
 

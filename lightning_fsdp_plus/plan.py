@@ -14,6 +14,7 @@ from enum import Enum, EnumMeta
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 class _CaseInsensitiveNames(EnumMeta):
@@ -180,6 +181,12 @@ class ShardingPlan:
     """Parameters kept out of FSDP and replicated on every rank."""
     activation_checkpointing: tuple[str, ...] = field(default=())
     """Module paths whose forward is recomputed in backward."""
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    """FSDP2's mixed-precision policy for every unit."""
+    cpu_offload: bool = False
+    """FSDP2's ``CPUOffloadPolicy`` for every unit (only ever true on an accelerator)."""
+    forward_prefetch: bool = False
+    """Explicit prefetch of the neighbouring unit in forward and backward."""
 
     @property
     def bytes_per_rank(self) -> int:
@@ -212,6 +219,9 @@ class ShardingPlan:
             ],
             "replicated": [{"name": p.name, "bytes_per_rank": p.bytes_per_rank} for p in self.replicated],
             "activation_checkpointing": list(self.activation_checkpointing),
+            "mixed_precision": {k: _dtype_name(getattr(self.mp_policy, k)) for k in _POLICY_FIELDS},
+            "cpu_offload": self.cpu_offload,
+            "forward_prefetch": self.forward_prefetch,
             "bytes_per_rank": self.bytes_per_rank,
         }
 
@@ -252,8 +262,22 @@ class ShardingPlan:
         body = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
         if self.activation_checkpointing:
             body.append(f"activation checkpointing: {', '.join(self.activation_checkpointing)}")
+        policy = ", ".join(f"{k} {_dtype_name(getattr(self.mp_policy, k))}" for k in _POLICY_FIELDS[:2])
+        prefetch = "explicit" if self.forward_prefetch else "implicit"
+        offload = "yes" if self.cpu_offload else "no"
+        body.append(f"mixed precision: {policy}; cpu offload: {offload}; prefetch: {prefetch}")
         body.append(f"total parameter bytes per rank: {self.bytes_per_rank:,}")
         return "\n".join([title, *body])
+
+
+_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+
+
+def _dtype_name(value: object) -> object:
+    """``bfloat16`` for a dtype, ``-`` for None (the stored dtype), the value otherwise."""
+    if value is None:
+        return "-"
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 
 def sharded_numel(shape: Sequence[int], shard: int) -> int:
@@ -275,12 +299,18 @@ def build_sharding_plan(
     mesh: MeshLayout,
     ignored_params: Collection[nn.Parameter] = (),
     activation_checkpointing: Iterable[str] = (),
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
+    forward_prefetch: bool = False,
 ) -> ShardingPlan:
     """Compute the plan: ``unit_paths`` (besides the root, which is always a unit) become FSDP units.
 
     A parameter belongs to the innermost unit whose subtree holds it, as with nested ``fully_shard`` calls.
-    Parameters in ``ignored_params`` are replicated and listed separately.
+    Parameters in ``ignored_params`` are replicated and listed separately. ``reshard_after_forward`` defaults
+    to the strategy's rule; the policy, offload and prefetch settings travel with the plan to ``fully_shard``.
     """
+    reshard = sharding_strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     paths = {p for p in unit_paths if p}
     modules = dict(model.named_modules())
     unknown = sorted(paths - modules.keys())
@@ -314,7 +344,7 @@ def build_sharding_plan(
             path=path,
             module_class=type(modules[path]).__name__,
             params=tuple(owner[path]),
-            reshard_after_forward=sharding_strategy.reshard_after_forward,
+            reshard_after_forward=reshard,
         )
         for path in [*ordered, ""]
     )
@@ -324,6 +354,9 @@ def build_sharding_plan(
         units=units,
         replicated=tuple(replicated),
         activation_checkpointing=tuple(activation_checkpointing),
+        mp_policy=mp_policy or MixedPrecisionPolicy(),
+        cpu_offload=cpu_offload,
+        forward_prefetch=forward_prefetch,
     )
 
 

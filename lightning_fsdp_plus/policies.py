@@ -8,6 +8,9 @@ Accepted ``auto_wrap_policy`` values:
 - ``{"min_num_params": N}``: bottom-up, a module becomes a unit when it holds at least N parameters
   not already in a nested unit (FSDP1's size-based policy);
 - a callable ``(module) -> bool``;
+- an FSDP1 policy (``ModuleWrapPolicy``, ``CustomPolicy``, ``functools.partial(transformer_auto_wrap_policy, ...)``,
+  any ``(module, recurse, nonwrapped_numel) -> bool`` function), wrapped in :class:`FSDP1Policy`: the modules
+  FSDP1 would wrap become units;
 - ``None``: only the root is a unit.
 
 The root is always a unit and is never returned here.
@@ -15,6 +18,7 @@ The root is always a unit and is never returned here.
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
@@ -29,9 +33,62 @@ WrapPolicy: TypeAlias = (
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
+def is_fsdp1_policy(value: Any) -> bool:
+    """An FSDP1 ``_Policy`` object, or a function taking FSDP1's ``recurse`` / ``nonwrapped_numel`` arguments."""
+    from torch.distributed.fsdp.wrap import _Policy
+
+    if isinstance(value, _Policy):
+        return True
+    if not callable(value) or isinstance(value, (type, FSDP1Policy)):
+        return False
+    try:
+        parameters = inspect.signature(value).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name in ("recurse", "nonwrapped_numel") or p.kind is p.VAR_KEYWORD for p in parameters)
+
+
+class FSDP1Policy:
+    """An FSDP1 auto-wrap policy; the modules FSDP1 would wrap (the root aside) become FSDP2 units.
+
+    ``_Policy`` objects are run with their own ``_run_policy``; legacy functions with FSDP1's own recursive
+    walk (``_recursive_wrap``), whose wrapper only records the modules it is handed.
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+
+    def unit_paths(self, model: nn.Module) -> list[str]:
+        """Module paths FSDP1 would wrap under this policy, root excluded."""
+        from lightning_fsdp_plus._private import fsdp1_policy_base, fsdp1_recursive_wrap
+
+        if isinstance(self.policy, fsdp1_policy_base()):
+            chosen = set(self.policy._run_policy(model, set(), {}))
+        else:
+            chosen = set()
+
+            def record(module: nn.Module, **_: Any) -> nn.Module:
+                chosen.add(module)
+                return module
+
+            fsdp1_recursive_wrap()(model, self.policy, record, set(), set(), only_wrap_children=True)
+        return [name for name, module in model.named_modules() if name and module in chosen]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FSDP1Policy) and other.policy is self.policy
+
+    def __hash__(self) -> int:
+        return hash(id(self.policy))
+
+    def __repr__(self) -> str:
+        return f"FSDP1Policy({self.policy!r})"
+
+
 def validate_wrap_policy(policy: Any, *, key: str = "auto_wrap_policy") -> None:
     """Check the shape of a policy without a model; raises ValueError naming ``key`` and the choices."""
-    if policy is None or policy == "auto" or (callable(policy) and not isinstance(policy, type)):
+    if policy is None or isinstance(policy, FSDP1Policy) or (callable(policy) and not isinstance(policy, type)):
+        return
+    if isinstance(policy, str) and policy == "auto":
         return
     if isinstance(policy, Mapping):
         if set(policy) != {"min_num_params"}:
@@ -102,6 +159,8 @@ def select_unit_paths(model: nn.Module, policy: WrapPolicy, *, key: str = "auto_
     validate_wrap_policy(policy, key=key)
     if policy is None:
         return []
+    if isinstance(policy, FSDP1Policy):
+        return policy.unit_paths(model)
     if isinstance(policy, Mapping):
         return _size_based_paths(model, min_num_params=policy["min_num_params"])
     if policy == "auto":

@@ -16,17 +16,14 @@ that every rank skips the same steps. Autocast targets the real device type (``c
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Literal, get_args
 
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
-from lightning.fabric.utilities.types import Optimizable
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from lightning_utilities import apply_to_collection
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -83,43 +80,54 @@ def check_precision(precision: str, *, device_type: str, key: str = "precision")
         )
 
 
-def validate_mixed_precision(mapping: Mapping[str, Any] | None, *, key: str = "mixed_precision") -> None:
-    """Check a user's ``mixed_precision`` mapping (keys and dtype names) without building anything."""
-    if mapping is None:
-        return
+def mixed_precision_from_mapping(mapping: Any, *, key: str = "mixed_precision") -> MixedPrecisionPolicy:
+    """FSDP2's policy from ``{param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}`` (dtype names ok)."""
     if not isinstance(mapping, Mapping):
         raise ValueError(f"{key}={mapping!r} must be None or a mapping with keys {', '.join(_POLICY_KEYS)}")
+    kwargs: dict[str, Any] = {}
     for name, value in mapping.items():
         if name not in _POLICY_KEYS:
             raise ValueError(f"{key}.{name} is not a valid key; choose from {', '.join(_POLICY_KEYS)}")
         if name == "cast_forward_inputs":
             if not isinstance(value, bool):
                 raise ValueError(f"{key}.cast_forward_inputs={value!r} must be true or false")
+            kwargs[name] = value
         else:
-            parse_dtype(value, key=f"{key}.{name}")
+            kwargs[name] = parse_dtype(value, key=f"{key}.{name}")
+    return MixedPrecisionPolicy(**kwargs)
 
 
-def mixed_precision_policy(*, precision: str, mapping: Mapping[str, Any] | None = None) -> MixedPrecisionPolicy:
-    """The FSDP2 policy for a preset, or built from an explicit ``mixed_precision`` mapping."""
+def validate_mixed_precision(mapping: Any, *, key: str = "mixed_precision") -> None:
+    """Check a ``mixed_precision`` mapping (keys and dtype names) without using it."""
     if mapping is not None:
-        validate_mixed_precision(mapping)
-        kwargs = {k: parse_dtype(v, key=f"mixed_precision.{k}") if k != "cast_forward_inputs" else v
-                  for k, v in mapping.items()}  # fmt: skip
-        return MixedPrecisionPolicy(**kwargs)
+        mixed_precision_from_mapping(mapping, key=key)
+
+
+def mixed_precision_policy(
+    *, precision: str, mapping: MixedPrecisionPolicy | Mapping[str, Any] | None = None
+) -> MixedPrecisionPolicy:
+    """The FSDP2 policy: the user's (a policy or a mapping) when given, else the preset's."""
+    if isinstance(mapping, MixedPrecisionPolicy):
+        return mapping
+    if mapping is not None:
+        return mixed_precision_from_mapping(mapping)
     if precision in _MIXED_DTYPES:
         return MixedPrecisionPolicy(param_dtype=_MIXED_DTYPES[precision], reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
 
 
-class FSDPPlusPrecision(Precision):
-    """Precision plugin for :class:`~lightning_fsdp_plus.FSDPPlusStrategy`.
+class FSDPPlusPrecision(FSDPPrecision):
+    """Precision plugin for :class:`~lightning_fsdp_plus.FSDPPlusStrategy`: Lightning's ``FSDPPrecision`` with
+    autocast on the real device, a scaler for that device, and gradient clipping across shards.
 
     Arguments:
         precision: One of ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed``, ``16-true``.
         device: Device type for autocast (``"cpu"`` or ``"cuda"``); the strategy sets it from its root device.
-        scaler: A gradient scaler for ``16-mixed``; defaults to torch's ``ShardedGradScaler``.
+        scaler: A gradient scaler for ``16-mixed``; defaults to torch's ``ShardedGradScaler`` for ``device``.
         log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` on every optimizer step.
 
+    Inherited unchanged from ``FSDPPrecision``: module conversion and init contexts for the ``-true`` presets,
+    input/output casts, loss scaling in ``pre_backward`` and the scaler's ``optimizer_step``.
     Lightning rewrites ``Trainer(accelerator="cpu", precision="16-mixed")`` into ``bf16-mixed`` before any
     strategy sees it; for real fp16 autocast on CPU pass ``Trainer(plugins=[FSDPPlusPrecision("16-mixed")])``.
     """
@@ -135,22 +143,28 @@ class FSDPPlusPrecision(Precision):
         check_precision(precision, device_type=device or "cpu")
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not use a gradient scaler, but one was given")
+        # FSDPPrecision.__init__ would build a CUDA-only scaler (and check the scaler before setting precision):
+        # set the three attributes its methods read ourselves
         self.precision = precision  # type: ignore[assignment]
+        self._desired_input_dtype = stored_dtype(precision)
+        self._owns_scaler = scaler is None and precision == "16-mixed"
+        self.scaler = scaler
         self.device = device or "cpu"
-        self._scaler = scaler
-        self._scaler_ready = scaler is not None or precision != "16-mixed"
         self.log_grad_norm = log_grad_norm
         self.last_grad_norm: Tensor | None = None
 
     @property
-    def scaler(self) -> torch.amp.GradScaler | None:
-        """The gradient scaler (``16-mixed`` only), created on first use for the final device."""
-        if not self._scaler_ready:
+    def device(self) -> str:
+        """Device type autocast and the default scaler run on."""
+        return self._device
+
+    @device.setter
+    def device(self, value: str) -> None:
+        self._device = value
+        if self._owns_scaler:  # our default scaler follows the device the strategy settles on
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self._scaler = ShardedGradScaler(device=self.device)
-            self._scaler_ready = True
-        return self._scaler
+            self.scaler = ShardedGradScaler(device=value)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -158,67 +172,10 @@ class FSDPPlusPrecision(Precision):
         return compute_dtype(self.precision)
 
     @override
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.precision in _TRUE_DTYPES:
-            return module.to(dtype=_TRUE_DTYPES[self.precision])
-        return module
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        if self.precision in _TRUE_DTYPES:
-            return _DtypeContextManager(_TRUE_DTYPES[self.precision])
-        return nullcontext()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self.tensor_init_context()
-
-    @override
-    @contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        if self.precision in _MIXED_DTYPES:
-            with torch.autocast(self.device, dtype=_MIXED_DTYPES[self.precision], cache_enabled=False):
-                yield
-        else:
-            with self.tensor_init_context():
-                yield
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        if self.precision in _TRUE_DTYPES:
-            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.compute_dtype)
-        return data
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        if self.precision in _TRUE_DTYPES:
-            dst = torch.get_default_dtype()
-            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dst)
-        return data
-
-    @override
-    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
-        return super().pre_backward(tensor, module)
-
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Optimizable, model: Any, closure: Any, **kwargs: Any
-    ) -> Any:
-        scaler = self.scaler
-        if scaler is None:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        closure_result = closure()
-        skip = closure_result is None and model.automatic_optimization
-        if not skip:
-            scaler.unscale_(optimizer)  # before clipping, which sees true gradients
-        self._after_closure(model, optimizer)
-        if skip:
-            return closure_result
-        step_output = scaler.step(optimizer, **kwargs)  # skipped on every rank if any rank found inf/NaN
-        scaler.update()
-        return step_output
+    def forward_context(self) -> AbstractContextManager:
+        if self.precision in _MIXED_DTYPES:  # FSDPPrecision's autocast is CUDA-only
+            return torch.autocast(self.device, dtype=_MIXED_DTYPES[self.precision], cache_enabled=False)
+        return super().forward_context()
 
     @override
     def _clip_gradients(
@@ -242,20 +199,16 @@ class FSDPPlusPrecision(Precision):
         clip_grad_value_across_shards(self.main_params(optimizer), clip_value=float(clip_val))
 
     @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
+        if state_dict:  # a checkpoint saved without a scaler (another preset) has none to load
+            super().load_state_dict(state_dict)
 
     @classmethod
     def from_lightning(cls, plugin: Precision, *, device: str | None = None) -> FSDPPlusPrecision:
         """Convert the plugin Lightning built from ``Trainer(precision=...)`` into ours."""
         if isinstance(plugin, cls):
             return plugin
-        if type(plugin) not in _LIGHTNING_PLUGINS():
+        if type(plugin) not in (*_LIGHTNING_PLUGINS(), FSDPPrecision):
             raise ValueError(
                 f"precision plugin {type(plugin).__name__} is not supported by fsdp_plus; use"
                 f" Trainer(precision=...) with one of {', '.join(PRECISIONS)} or FSDPPlusPrecision"

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from itertools import pairwise
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
+from lightning_fsdp_plus._dist import all_gather_object as _all_gather_object
+from lightning_fsdp_plus._private import composable_checkpoint
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan
 
 
@@ -22,41 +27,43 @@ def init_mesh(*, layout: MeshLayout, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (layout.shard,), mesh_dim_names=("shard",))
 
 
-def offload_policy(*, cpu_offload: bool, device_type: str) -> OffloadPolicy:
-    """FSDP2's CPU offload when asked for on an accelerator; on CPU the parameters already live there."""
-    return CPUOffloadPolicy() if cpu_offload and device_type != "cpu" else OffloadPolicy()
+def build_mesh(*, layout: MeshLayout, device_type: str, given: Any = None) -> DeviceMesh:
+    """The mesh for ``layout``: the user's ``DeviceMesh``, one over their process group(s), or a new one."""
+    if isinstance(given, DeviceMesh):
+        return given
+    if isinstance(given, tuple) and given and isinstance(given[0], dist.ProcessGroup):
+        if len(given) == 1:
+            return DeviceMesh.from_group(given[0], device_type, mesh_dim_names=("shard",))
+        intra, inter = given  # FSDP1's HYBRID_SHARD pair: rows are replicas, each row one shard group's ranks
+        rows = sorted({tuple(r) for r in _all_gather_object(dist.get_process_group_ranks(intra))})
+        return DeviceMesh.from_group([inter, intra], device_type, mesh=torch.tensor(rows),
+                                     mesh_dim_names=("replicate", "shard"))  # fmt: skip
+    return init_mesh(layout=layout, device_type=device_type)
 
 
-def apply_sharding_plan(
-    model: nn.Module,
-    plan: ShardingPlan,
-    *,
-    mesh: DeviceMesh,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload: OffloadPolicy | None = None,
-    ignored_params: Collection[nn.Parameter] = (),
-    forward_prefetch: bool = False,
-) -> list[FSDPModule]:
-    """Shard ``model`` in place as the plan says; returns the FSDP modules in plan order (root last)."""
+def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> list[FSDPModule]:
+    """Shard ``model`` in place as the plan says; returns the FSDP modules in plan order (root last).
+
+    The plan's replicated parameters are FSDP2 ``ignored_params`` of the unit that holds them.
+    """
     apply_activation_checkpointing(model, plan.activation_checkpointing)
-    kwargs = {
-        "mesh": mesh,
-        "mp_policy": mp_policy or MixedPrecisionPolicy(),
-        "offload_policy": offload or OffloadPolicy(),
-    }
-    ignored = {id(p) for p in ignored_params}
+    offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    replicated = {p.name for p in plan.replicated}
+    ignored = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in replicated}
     sharded: list[FSDPModule] = []
     for unit in plan.units:
         module = model.get_submodule(unit.path) if unit.path else model
         unit_ignored = {p for p in module.parameters() if id(p) in ignored}
         fully_shard(
             module,
+            mesh=mesh,
             reshard_after_forward=unit.reshard_after_forward,
+            mp_policy=plan.mp_policy,
+            offload_policy=offload,
             ignored_params=unit_ignored or None,
-            **kwargs,
         )
         sharded.append(module)  # type: ignore[arg-type]
-    if forward_prefetch:
+    if plan.forward_prefetch:
         order = {id(m): i for i, m in enumerate(model.modules())}
         set_explicit_prefetch(sorted(sharded[:-1], key=lambda m: order[id(m)]))
     return sharded
@@ -64,8 +71,7 @@ def apply_sharding_plan(
 
 def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> None:
     """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``)."""
-    from torch.distributed._composable import checkpoint
-
+    checkpoint = composable_checkpoint()
     for path in paths:
         checkpoint(model.get_submodule(path))
 

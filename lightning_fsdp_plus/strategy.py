@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import inspect
 import json
-from collections.abc import Mapping, Sequence
-from datetime import timedelta
+import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
+from lightning_fsdp_plus import compat
 from lightning_fsdp_plus._dist import shutdown
+from lightning_fsdp_plus._private import _optimizers_to_device, _SubprocessScriptLauncher
 from lightning_fsdp_plus.checkpoint import (
     is_sharded_checkpoint,
     load_full,
@@ -32,144 +31,70 @@ from lightning_fsdp_plus.checkpoint import (
     state_dict_options,
 )
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
-from lightning_fsdp_plus.lora import apply_lora, check_trainable, find_peft_model, frozen_parameters, make_lora_config
-from lightning_fsdp_plus.plan import (
-    MeshLayout,
-    ShardingPlan,
-    ShardingStrategy,
-    build_sharding_plan,
-    check_hybrid_shard_size,
-    resolve_mesh_layout,
-)
-from lightning_fsdp_plus.policies import WrapPolicy, resolve_module_classes, select_unit_paths, validate_wrap_policy
-from lightning_fsdp_plus.precision import (
-    FSDPPlusPrecision,
-    check_precision,
-    mixed_precision_policy,
-    validate_mixed_precision,
-)
-from lightning_fsdp_plus.quantization import Int8Linear, check_quantize_base, convert_to_int8, int8_candidates
-from lightning_fsdp_plus.sharding import apply_sharding_plan, init_mesh, is_sharded, offload_policy
+from lightning_fsdp_plus.lora import find_peft_model
+from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring
+from lightning_fsdp_plus.pipeline import build_sharded_model, materialize_model, plan_model, prepare_model
+from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
+from lightning_fsdp_plus.precision import FSDPPlusPrecision, check_precision
+from lightning_fsdp_plus.sharding import build_mesh, is_sharded
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
+"""The keyword arguments that are options (everything ``FSDPPlusOptions`` declares)."""
+_UNSET: Any = object()
 
 
 class FSDPPlusStrategy(ModelParallelStrategy):
     """Fully Sharded Data Parallel on FSDP2 (``fully_shard``) with no hand-written sharding code.
 
-    Runs on CPU (gloo) and CUDA (nccl). The model is sharded in ``setup`` from a :class:`ShardingPlan`
-    computed by a pure function; ``strategy.sharding_plan`` returns it and rank 0 prints it.
+    Runs on CPU (gloo) and CUDA (nccl). The model is sharded in ``setup`` by the preparation pipeline
+    (:mod:`~lightning_fsdp_plus.pipeline`) from a :class:`ShardingPlan`; ``strategy.sharding_plan`` returns it and
+    rank 0 prints it. Every keyword argument is a field of :class:`~lightning_fsdp_plus.options.FSDPPlusOptions`
+    (pass ``options=`` to give them as one object); the arguments of Lightning's ``FSDPStrategy`` are accepted
+    too, mapped onto FSDP2 (:mod:`~lightning_fsdp_plus.compat`). Option values read as attributes:
+    ``strategy.sharding_strategy``, ``strategy.lora``, ...
 
-    Arguments:
-        sharding_strategy: ``FULL_SHARD`` (default), ``SHARD_GRAD_OP``, ``NO_SHARD`` or ``HYBRID_SHARD``,
-            case-insensitive. See :class:`~lightning_fsdp_plus.plan.ShardingStrategy` for the FSDP2 mapping.
-        hybrid_shard_size: Ranks per shard group for ``HYBRID_SHARD``; must divide the world size.
-            Defaults to the number of devices per node (shard within a node, replicate across nodes).
-        auto_wrap_policy: Which submodules become FSDP units: ``"auto"`` (transformers'
-            ``_no_split_modules``, else the largest repeated block class), a list of module classes or
-            class names, ``{"min_num_params": N}``, a callable ``(module) -> bool``, or ``None``.
-            The root module is always a unit.
-        mixed_precision: ``None`` derives FSDP2's ``MixedPrecisionPolicy`` from ``Trainer(precision=...)``;
-            a mapping ``{param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}`` sets it explicitly.
-        activation_checkpointing: Module classes or class names whose forward is recomputed in backward.
-        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2
-            ``CPUOffloadPolicy``); meaningful on GPU, a no-op on CPU.
-        forward_prefetch: Explicitly prefetch the next unit's all-gather in forward (and the previous one in
-            backward) instead of relying on FSDP2's implicit prefetching.
-        lora_only: Shard only the trainable (LoRA) parameters, their gradients and optimizer state; the
-            frozen base (possibly int8) is kept out of FSDP (``ignored_params``) and replicated on every rank,
-            so only the small adapters are all-gathered. ``False`` shards the frozen base too (memory-lean).
-        lora: Apply PEFT LoRA in ``setup`` (before sharding): a ``peft.LoraConfig`` or a mapping with
-            ``r``, ``alpha``, ``dropout``, ``target_modules`` (and any other ``LoraConfig`` field). It wraps the
-            first transformers model inside the LightningModule with ``peft.get_peft_model``. Leave ``None`` if
-            the LightningModule applies PEFT itself.
-        quantize_base: ``"int8"`` turns every frozen ``nn.Linear`` (and every bitsandbytes ``Linear8bitLt``)
-            outside LoRA adapters and ``quantize_skip`` into an :class:`~lightning_fsdp_plus.quantization.Int8Linear`
-            computed with bitsandbytes' LLM.int8 kernels; ``None`` (default) keeps the base as it is.
-        quantize_skip: Module names or ``fnmatch`` path patterns left unquantized (default: the LM head).
-        int8_threshold: LLM.int8 outlier threshold for newly quantized layers (bitsandbytes' ``threshold``).
-        state_dict_type: ``"sharded"`` (default): a torch.distributed.checkpoint directory every rank writes
-            its shards to, loadable at any world size and sharding strategy; ``"full"``: one consolidated file
-            written by rank 0 (gathered one tensor at a time onto CPU).
-        save_trainable_only: Leave frozen parameters (the base, int8 included) out of checkpoints; they are
-            rebuilt by the LightningModule on resume. ``None`` (default): on when frozen parameters exist.
-        use_orig_params: Must be ``True``: FSDP2 always keeps the original parameters (names, ``requires_grad``).
-        log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` every optimizer step.
-        start_method: ``"popen"`` (default: re-run the script for each rank, like ``ddp``), or a
-            multiprocessing start method: ``"spawn"``, ``"fork"``, ``"forkserver"``.
-        process_group_backend: ``"nccl"`` on CUDA and ``"gloo"`` on CPU by default.
-        timeout: Timeout for collectives; a rank that stops answering makes the others fail after it.
     """
 
     strategy_name = "fsdp_plus"
 
     def __init__(
         self,
-        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
+        sharding_strategy: Any = _UNSET,
         *,
-        hybrid_shard_size: int | None = None,
-        auto_wrap_policy: WrapPolicy = "auto",
-        mixed_precision: Mapping[str, Any] | None = None,
-        activation_checkpointing: Sequence[type[nn.Module] | str] | None = None,
-        cpu_offload: bool = False,
-        forward_prefetch: bool = False,
-        lora_only: bool = False,
-        lora: Mapping[str, Any] | Any | None = None,
-        quantize_base: str | None = None,
-        quantize_skip: Sequence[str] = ("lm_head",),
-        int8_threshold: float = 6.0,
-        state_dict_type: Literal["sharded", "full"] = "sharded",
-        save_trainable_only: bool | None = None,
-        use_orig_params: bool = True,
-        log_grad_norm: bool = True,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
+        options: FSDPPlusOptions | None = None,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        device_id: int | torch.device | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(process_group_backend=process_group_backend, timeout=timeout)
-        self.sharding_strategy = ShardingStrategy.parse(sharding_strategy)
-        if hybrid_shard_size is not None:
-            check_hybrid_shard_size(hybrid_shard_size=hybrid_shard_size, world_size=hybrid_shard_size)
-        if use_orig_params is not True:
-            raise ValueError(
-                f"use_orig_params={use_orig_params!r} is not supported: FSDP2 has no flat parameters, so the"
-                " original parameters (names, requires_grad, optimizer view) are always kept; valid choices: True"
-            )
-        validate_wrap_policy(auto_wrap_policy)
-        if isinstance(activation_checkpointing, (str, Mapping)) or callable(activation_checkpointing):
-            raise ValueError(
-                f"activation_checkpointing={activation_checkpointing!r} must be a list of module classes or names"
-            )
-        validate_wrap_policy(activation_checkpointing, key="activation_checkpointing")
-        validate_mixed_precision(mixed_precision)
-        check_quantize_base(quantize_base)
-        if isinstance(quantize_skip, str):
-            raise ValueError(f"quantize_skip={quantize_skip!r} must be a list of module names or patterns")
-        if state_dict_type not in ("sharded", "full"):
-            raise ValueError(f"state_dict_type={state_dict_type!r} is not one of sharded, full")
-        if start_method not in _START_METHODS:
-            raise ValueError(f"start_method={start_method!r} is not one of {', '.join(_START_METHODS)}")
-        self.hybrid_shard_size = hybrid_shard_size
-        self.auto_wrap_policy = auto_wrap_policy
-        self.mixed_precision = mixed_precision
-        self.activation_checkpointing = list(activation_checkpointing or [])
-        self.cpu_offload = cpu_offload
-        self.forward_prefetch = forward_prefetch
-        self.log_grad_norm = log_grad_norm
-        self.start_method = start_method
-        self.lora_only = lora_only
-        self.lora = make_lora_config(lora)
-        self.quantize_base = quantize_base
-        self.quantize_skip = list(quantize_skip)
-        self.int8_threshold = int8_threshold
-        self.state_dict_type = state_dict_type
-        self.save_trainable_only = save_trainable_only
+        fields = compat.options_kwargs(kwargs, fields=OPTION_FIELDS)
+        if sharding_strategy is not _UNSET:
+            fields["sharding_strategy"] = sharding_strategy
+        opts = options.replace(**fields) if options is not None else FSDPPlusOptions(**fields)
+        super().__init__(process_group_backend=opts.process_group_backend, timeout=opts.timeout)
+        self.options = opts
+        self._device_id = device_id
+        for name, value in (("accelerator", accelerator), ("parallel_devices", parallel_devices),
+                            ("cluster_environment", cluster_environment), ("checkpoint_io", checkpoint_io),
+                            ("precision_plugin", precision_plugin)):  # fmt: skip
+            if value is not None:
+                setattr(self, name, value)
         self._mesh_layout: MeshLayout | None = None
         self._sharding_plan: ShardingPlan | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached when normal lookup fails: option fields read as attributes
+        options = self.__dict__.get("options")
+        if options is not None and name in OPTION_FIELDS:
+            return getattr(options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ registration and properties
     @classmethod
@@ -191,11 +116,8 @@ class FSDPPlusStrategy(ModelParallelStrategy):
     def mesh_layout(self) -> MeshLayout:
         """Replicate x shard layout for the current world size."""
         if self._mesh_layout is None:
-            hybrid = self.hybrid_shard_size
-            if hybrid is None and self.sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-                hybrid = self.num_processes or 1
-            self._mesh_layout = resolve_mesh_layout(
-                sharding_strategy=self.sharding_strategy, world_size=self.world_size, hybrid_shard_size=hybrid
+            self._mesh_layout = self.options.mesh_layout(
+                world_size=self.world_size, devices_per_node=self.num_processes or 1
             )
         return self._mesh_layout
 
@@ -211,8 +133,9 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         devices = getattr(self, "parallel_devices", None)
         device = devices[0].type if devices else None
         self._precision_plugin = None if plugin is None else FSDPPlusPrecision.from_lightning(plugin, device=device)
-        if self._precision_plugin is not None:
-            self._precision_plugin.log_grad_norm = getattr(self, "log_grad_norm", True)
+        options = self.__dict__.get("options")
+        if self._precision_plugin is not None and options is not None:
+            self._precision_plugin.log_grad_norm = options.log_grad_norm
 
     @property
     @override
@@ -225,20 +148,23 @@ class FSDPPlusStrategy(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called at the end of Trainer.__init__: devices, nodes and precision are known, no process group exists.
         self._mesh_layout = None
-        if self.hybrid_shard_size is not None:  # a size that cannot divide the world is a mistake in any mode
-            check_hybrid_shard_size(hybrid_shard_size=self.hybrid_shard_size, world_size=self.world_size)
         _ = self.mesh_layout
-        device_type = self.root_device.type if self.parallel_devices else "cpu"
+        device_type = self._device_type
         plugin = self.precision_plugin
         plugin.device = device_type
+        plugin.log_grad_norm = self.options.log_grad_norm
         check_precision(str(plugin.precision), device_type=device_type)
         assert self.cluster_environment is not None
         if self.cluster_environment.creates_processes_externally:
             return
-        if self.start_method == "popen":
+        if self.options.start_method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = FSDPPlusSpawnLauncher(self, start_method=self.start_method)
+            self._launcher = FSDPPlusSpawnLauncher(self, start_method=self.options.start_method)
+
+    @property
+    def _device_type(self) -> str:
+        return self.root_device.type if self.parallel_devices else "cpu"
 
     @property
     def _lightning_module(self) -> pl.LightningModule | None:
@@ -249,21 +175,36 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         # Trainer.fit/validate assign the module here before launching any process: the earliest moment to
         # resolve wrap and checkpointing class names against the model (unless configure_model builds layers).
         if model is not None and not is_overridden("configure_model", model):
-            self._prepare_model(model)
-            self._build_plan(model)
+            prepare_model(model, self.options)
+            plan_model(model, self.options, layout=self.mesh_layout, precision=str(self.precision_plugin.precision),
+                       device_type=self._device_type)  # fmt: skip
         self.__dict__["_fsdp_plus_module"] = model
 
     # ------------------------------------------------------------------ setup
     @override
     def setup_environment(self) -> None:
+        self._check_device_id()
         self._setup_distributed()
         # free the groups at exit while the interpreter is still whole (see _dist.shutdown); Lightning only
         # destroys nccl groups at exit, and a gloo group left to interpreter teardown can abort the process
         atexit.unregister(shutdown)  # once per process, however many fits
         atexit.register(shutdown)
-        self._device_mesh = init_mesh(layout=self.mesh_layout, device_type=self.root_device.type)
+        self._device_mesh = build_mesh(
+            layout=self.mesh_layout, device_type=self.root_device.type, given=self.options.device_mesh
+        )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _check_device_id(self) -> None:
+        if self._device_id is None:
+            return
+        given = self._device_id
+        device = torch.device(self.root_device.type, given) if isinstance(given, int) else torch.device(given)
+        if device != self.root_device:
+            raise ValueError(
+                f"device_id={given!r} is not this rank's device {self.root_device}; FSDP2 places shards on the"
+                " strategy's root device: leave device_id unset"
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -278,79 +219,41 @@ class FSDPPlusStrategy(ModelParallelStrategy):
                 self._sharding_plan = build_sharding_plan(
                     self.model,
                     unit_paths=[n for n, m in self.model.named_modules() if n and isinstance(m, FSDPModule)],
-                    sharding_strategy=self.sharding_strategy,
+                    sharding_strategy=self.options.sharding_strategy,
                     mesh=self.mesh_layout,
                 )
+            materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn)
         else:
-            self._prepare_model(self.model)
-            if self.quantize_base == "int8":  # quantize from the float weights, before any dtype conversion
-                converted = convert_to_int8(self.model, skip=self.quantize_skip, threshold=self.int8_threshold)
-                rank_zero_info(f"fsdp_plus: {len(converted)} frozen linear layers now int8 (LLM.int8)")
-            self.model = self.precision_plugin.convert_module(self.model)
-            self._sharding_plan = self._build_plan(self.model)
-            rank_zero_info(self._sharding_plan.format_table())
-            apply_sharding_plan(
+            self.model, self._sharding_plan = build_sharded_model(
                 self.model,
-                self._sharding_plan,
+                self.options,
                 mesh=self.device_mesh,
-                mp_policy=mixed_precision_policy(
-                    precision=str(self.precision_plugin.precision), mapping=self.mixed_precision
-                ),
-                offload=offload_policy(cpu_offload=self.cpu_offload, device_type=self.root_device.type),
-                forward_prefetch=self.forward_prefetch,
-                ignored_params=self._replicated_params(self.model),
+                layout=self.mesh_layout,
+                precision=self.precision_plugin,
+                device=self.root_device,
+                report=rank_zero_info,
             )
-        _materialize_distributed_module(self.model, self.root_device)
-        if not self.cpu_offload or self.root_device.type == "cpu":
+        offloaded = self.options.cpu_offload and self.root_device.type != "cpu"
+        if not offloaded:
             self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING and not self.cpu_offload:
+        if trainer.state.fn == TrainerFn.FITTING and not offloaded:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _prepare_model(self, model: nn.Module) -> None:
-        """Apply LoRA if configured and check the LoRA/int8 options against the model (idempotent)."""
-        if self.lora is not None:
-            apply_lora(model, self.lora)
-        if self.lora_only:
-            check_trainable(model)
-        already = any(isinstance(m, Int8Linear) for m in model.modules())
-        if self.quantize_base == "int8" and not already and not int8_candidates(model, skip=self.quantize_skip):
-            raise ValueError(
-                "quantize_base='int8' found no frozen nn.Linear outside LoRA adapters and quantize_skip="
-                f"{self.quantize_skip}; freeze the base (e.g. apply LoRA) or set quantize_base=None"
-            )
-
-    def _replicated_params(self, model: nn.Module) -> set[nn.Parameter]:
-        return frozen_parameters(model) if self.lora_only else set()
-
-    def _unit_paths(self, model: nn.Module) -> list[str]:
-        return select_unit_paths(model, self.auto_wrap_policy)
-
-    def _build_plan(self, model: nn.Module) -> ShardingPlan:
-        checkpointed = resolve_module_classes(model, self.activation_checkpointing, key="activation_checkpointing")
-        return build_sharding_plan(
-            model,
-            unit_paths=self._unit_paths(model),
-            sharding_strategy=self.sharding_strategy,
-            mesh=self.mesh_layout,
-            ignored_params=self._replicated_params(model),
-            activation_checkpointing=[n for n, m in model.named_modules() if n and isinstance(m, tuple(checkpointed))],
-        )
 
     # ------------------------------------------------------------------ checkpoints (see checkpoint.py)
     @property
     def trainable_only(self) -> bool:
         """Whether checkpoints leave frozen parameters out (``save_trainable_only``, or auto)."""
-        if self.save_trainable_only is not None:
-            return self.save_trainable_only
+        if self.options.save_trainable_only is not None:
+            return self.options.save_trainable_only
         assert self.model is not None
         return any(not p.requires_grad for p in self.model.parameters())
 
     def _state_options(self) -> Any:
-        return state_dict_options(full=self.state_dict_type == "full", trainable_only=self.trainable_only)
+        return state_dict_options(full=self.options.state_dict_type == "full", trainable_only=self.trainable_only)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -373,13 +276,13 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             raise TypeError("FSDPPlusStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         checkpoint["fsdp_plus"] = {
-            "state_dict_type": self.state_dict_type,
+            "state_dict_type": self.options.state_dict_type,
             "trainable_only": self.trainable_only,
-            "sharding_strategy": self.sharding_strategy.value,
+            "sharding_strategy": self.options.sharding_strategy.value,
             "world_size": self.world_size,
             "peft": self._peft_info(),
         }
-        if self.state_dict_type == "full":
+        if self.options.state_dict_type == "full":
             save_full(path, checkpoint=checkpoint)
             return
         model_state = checkpoint.pop("state_dict")
@@ -459,4 +362,21 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         return self._device_mesh
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(sharding_strategy={self.sharding_strategy.value})"
+        return f"{type(self).__name__}(sharding_strategy={self.options.sharding_strategy.value})"
+
+
+def _init_signature() -> inspect.Signature:
+    """``FSDPPlusStrategy.__init__``'s signature for help() and IDEs: the Lightning plumbing, then every option."""
+    own = inspect.signature(FSDPPlusStrategy.__init__).parameters
+    head = [p for name, p in own.items() if name not in ("sharding_strategy", "kwargs")]
+    options = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+        for f in dataclasses.fields(FSDPPlusOptions)
+        if f.name != "sharding_strategy"
+    ]
+    first = inspect.Parameter("sharding_strategy", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="FULL_SHARD")
+    return inspect.Signature([head[0], first, *head[1:], *options])
+
+
+FSDPPlusStrategy.__init__.__signature__ = _init_signature()  # type: ignore[attr-defined]
+FSDPPlusStrategy.__doc__ = f"{FSDPPlusStrategy.__doc__}{textwrap.indent(arguments_docstring(), '    ')}\n"

@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_fsdp_plus.config.schema import LoraSchema
+from lightning_fsdp_plus.lora import DEFAULT_TARGETS
 from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES
 from lightning_fsdp_plus.memory.estimate import (
     STRATEGY_CHOICES,
@@ -27,6 +27,8 @@ from lightning_fsdp_plus.memory.estimate import (
     ModelDescription,
     estimate_memory,
 )
+from lightning_fsdp_plus.options import field_docs
+from lightning_fsdp_plus.quantization import QUANTIZE_CHOICES
 
 _COLUMNS = (
     ("params", "params"),
@@ -50,19 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--config", help="a transformers config.json (or its directory); local files only")
     parser.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
     parser.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGY_CHOICES)} (any case)")
-    parser.add_argument("--hybrid-shard-size", type=int, help="ranks per shard group for HYBRID_SHARD")
+    docs = field_docs()  # the options' own docstrings: one description per option
+    parser.add_argument("--hybrid-shard-size", type=int, help=docs.get("hybrid_shard_size"))
     parser.add_argument("--precision", default="bf16-mixed", choices=list(PRECISION_BYTES))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
     parser.add_argument("--lora-rank", type=int, help="apply PEFT LoRA of this rank (needs --config)")
     parser.add_argument(
         "--lora-targets",
-        default=",".join(LoraSchema().target_modules),
+        default=",".join(DEFAULT_TARGETS),
         help="comma-separated linear layer names LoRA adapts (default: %(default)s)",
     )
     parser.add_argument("--trainable-fraction", type=float, help="with --params: the share of parameters that train")
-    parser.add_argument("--lora-only", action="store_true", help="replicate the frozen base; shard only what trains")
-    parser.add_argument("--quantize-base", choices=["int8"], help="frozen linear weights in int8 (LLM.int8)")
-    parser.add_argument("--cpu-offload", action="store_true", help="sharded state in host memory (CUDA)")
+    parser.add_argument("--lora-only", action="store_true", help=docs.get("lora_only"))
+    parser.add_argument("--quantize-base", choices=list(QUANTIZE_CHOICES), help=docs.get("quantize_base"))
+    parser.add_argument("--cpu-offload", action="store_true", help=docs.get("cpu_offload"))
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="checkpoint every unit but the root (needs --config)"
     )

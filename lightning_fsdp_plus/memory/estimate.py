@@ -18,38 +18,25 @@ memory), with bytes per element from :mod:`~lightning_fsdp_plus.memory.assumptio
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from torch import nn
 
-from lightning_fsdp_plus.lora import apply_lora, frozen_parameters
 from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES, PrecisionBytes
+from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, fake_model
 from lightning_fsdp_plus.memory.monitor import SavedActivations
-from lightning_fsdp_plus.plan import (
-    MeshLayout,
-    ParamInfo,
-    ShardingStrategy,
-    build_sharding_plan,
-    resolve_mesh_layout,
-    sharded_numel,
-)
-from lightning_fsdp_plus.policies import WrapPolicy, select_unit_paths
+from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.pipeline import plan_model
+from lightning_fsdp_plus.plan import MeshLayout, ParamInfo, ShardingStrategy, resolve_mesh_layout, sharded_numel
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, compute_dtype
 from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 
 STRATEGY_CHOICES = ("all", *ShardingStrategy.__members__)
 """Valid ``strategy`` values: a strategy name (any case) or ``all``."""
-
-
-class EstimateError(ValueError):
-    """Bad estimator input; the message names the key, the bad value and the valid choices."""
 
 
 @dataclass(frozen=True)
@@ -95,30 +82,6 @@ class ModelDescription:
             "activation_bytes": self.activation_bytes,
             "recompute_bytes": self.recompute_bytes,
         }
-
-
-@dataclass(frozen=True)
-class ModelSetup:
-    """How the strategy prepares a config's model, and the batch one forward sees."""
-
-    lora: Any = None
-    """LoRA settings (``peft.LoraConfig`` or its fields); None trains every parameter."""
-    lora_only: bool = False
-    """Replicate the frozen base (``ignored_params``); shard only what trains."""
-    quantize_base: str | None = None
-    """``"int8"``: frozen linear layers become ``Int8Linear``."""
-    quantize_skip: tuple[str, ...] = ("lm_head",)
-    """Layers int8 leaves alone (as ``FSDPPlusStrategy.quantize_skip``)."""
-    auto_wrap_policy: WrapPolicy = "auto"
-    """How FSDP units are chosen (as ``FSDPPlusStrategy.auto_wrap_policy``)."""
-    activation_checkpointing: bool = False
-    """Checkpoint every unit but the root."""
-    batch_size: int = 1
-    """Sequences per rank in the forward that counts activations."""
-    seq_len: int = 2048
-    """Tokens per sequence in that forward."""
-    padded: bool = False
-    """Give that batch an attention mask with a padded position (the masked attention path)."""
 
 
 @dataclass(frozen=True)
@@ -261,20 +224,14 @@ def estimate_strategy(
 def describe_module(
     model: nn.Module,
     *,
-    lora_only: bool = False,
-    auto_wrap_policy: WrapPolicy = "auto",
+    options: FSDPPlusOptions | None = None,
     activation_bytes: int | None = None,
     source: str = "",
 ) -> ModelDescription:
-    """Group a (real or fake) model's parameters as the strategy would: units from the wrap policy,
-    the frozen parameters replicated under ``lora_only``. Apply LoRA / int8 before calling."""
-    plan = build_sharding_plan(
-        model,
-        unit_paths=select_unit_paths(model, auto_wrap_policy),
-        sharding_strategy=ShardingStrategy.FULL_SHARD,
-        mesh=MeshLayout(replicate=1, shard=1),
-        ignored_params=frozen_parameters(model) if lora_only else (),
-    )
+    """Group a (real or fake) model's parameters as the strategy would (the pipeline's plan stage: units from the
+    wrap policy, replicated parameters under ``lora_only``). Apply LoRA / int8 before calling."""
+    options = options or FSDPPlusOptions()
+    plan = plan_model(model, options, layout=MeshLayout(replicate=1, shard=1), precision="32-true", device_type="cpu")
     return ModelDescription(
         units=tuple(u.params for u in plan.units),
         replicated=plan.replicated,
@@ -313,90 +270,6 @@ def describe_param_count(
     )
 
 
-def build_meta_model(hf_config: Any, *, dtype: torch.dtype, setup: ModelSetup) -> nn.Module:
-    """The config's causal LM on the meta device, prepared as the strategy prepares it: LoRA applied
-    (or everything trainable), the int8 candidates swapped for ``Int8Linear`` of the same shapes."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"), _DtypeContextManager(dtype):
-        model = AutoModelForCausalLM.from_config(hf_config)
-        if setup.lora is not None:  # as the strategy does it: on the model inside a (Lightning) module
-            holder = nn.Module()
-            holder.model = model
-            apply_lora(holder, setup.lora)
-            model = holder.model
-        else:
-            model.requires_grad_(True)
-        if setup.quantize_base == "int8":
-            _int8_skeleton(model, skip=setup.quantize_skip)
-    return model
-
-
-@contextmanager
-def fake_model(config: str | Path, *, dtype: torch.dtype, setup: ModelSetup) -> Iterator[tuple[nn.Module, dict]]:
-    """``(model, batch)`` on CPU FakeTensors inside ``FakeTensorMode``: the prepared model in ``dtype`` and
-    one example batch of the setup's size."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    hf_config = load_config(config)
-    model = build_meta_model(hf_config, dtype=dtype, setup=setup)
-    with FakeTensorMode():
-        to_fake(model)
-        model.train()
-        yield model, example_batch(
-            vocab_size=hf_config.vocab_size, batch_size=setup.batch_size, seq_len=setup.seq_len, padded=setup.padded
-        )
-
-
-def to_fake(model: nn.Module) -> nn.Module:
-    """Replace meta parameters and buffers by CPU FakeTensors of the same shapes (call in ``FakeTensorMode``).
-
-    Fake CPU tensors run the CPU kernels' shape logic (which tensors autograd saves), unlike meta ones.
-    Tied parameters stay tied.
-    """
-    memo: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in memo:
-                    fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
-                    is_param = isinstance(tensor, nn.Parameter)
-                    memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
-                table[name] = memo[id(tensor)]
-    return model
-
-
-def load_config(path: str | Path) -> Any:
-    """A transformers config from ``config.json`` or a directory holding one (local files only)."""
-    from transformers import AutoConfig
-
-    target = Path(path)
-    file = target / "config.json" if target.is_dir() else target
-    try:
-        values = json.loads(file.read_text())
-        model_type = values.pop("model_type")
-        return AutoConfig.for_model(model_type, **values)
-    except (OSError, ValueError, KeyError) as err:
-        reason = "no model_type" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
-        raise EstimateError(f"config={str(path)!r} is not a readable transformers config.json ({reason})") from None
-
-
-def _int8_skeleton(model: nn.Module, *, skip: Sequence[str]) -> list[str]:
-    """Swap the int8 candidates for empty ``Int8Linear`` layers of the same shape (no quantization)."""
-    from lightning_fsdp_plus.quantization.int8 import Int8Linear, int8_candidates
-
-    paths = int8_candidates(model, skip=skip)
-    for path in paths:
-        parent_path, _, name = path.rpartition(".")
-        old = model.get_submodule(path)
-        bias_dtype = old.bias.dtype if old.bias is not None else torch.float32
-        new = Int8Linear(old.in_features, old.out_features, bias=old.bias is not None, bias_dtype=bias_dtype)
-        setattr(model.get_submodule(parent_path) if parent_path else model, name, new)
-    return paths
-
-
 def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
     """Bytes autograd saves while ``run_forward`` runs in the precision plugin's forward context (CPU)."""
     with SavedActivations() as counter, FSDPPlusPrecision(precision).forward_context():  # type: ignore[arg-type]
@@ -404,38 +277,37 @@ def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
     return counter.bytes
 
 
-def example_batch(*, vocab_size: int, batch_size: int, seq_len: int, padded: bool) -> dict[str, torch.Tensor]:
-    """Token ids (and labels) for one forward; ``padded`` adds an attention mask with one padded position,
-    as padding collators produce: attention then takes its masked path, which saves more for backward."""
-    ids = torch.randint(0, vocab_size, (batch_size, seq_len))
-    batch = {"input_ids": ids, "labels": ids}
-    if padded:
-        mask = torch.ones(batch_size, seq_len, dtype=torch.long)
-        mask[0, -1] = 0
-        batch["attention_mask"] = mask
-    return batch
+def describe_config(
+    config: str | Path, *, precision: str, options: FSDPPlusOptions, batch: ForwardBatch
+) -> ModelDescription:
+    """Build the config's model on FakeTensors (no memory), prepared by the pipeline as the strategy prepares it
+    (LoRA, int8), count one forward's activations, and describe it.
 
-
-def describe_config(config: str | Path, *, precision: str, setup: ModelSetup) -> ModelDescription:
-    """Build the config's model on FakeTensors (no memory), prepared as the strategy prepares it
-    (LoRA, int8 skeleton), count one forward's activations, and describe it.
-
-    ``setup.activation_checkpointing`` checkpoints every FSDP unit but the root (the decoder layers under
-    the ``auto`` policy, as ``activation_checkpointing=[<layer class>]`` does) and counts again; what a unit
-    recomputes in backward is the saved bytes it no longer keeps, per unit.
+    With ``options.activation_checkpointing`` the plan's checkpointed modules are checkpointed and the forward
+    counted again; what one of them recomputes in backward is the saved bytes it no longer keeps, per module.
     """
-    with fake_model(config, dtype=compute_dtype(precision), setup=setup) as (model, batch):
-        description = describe_module(
-            model, lora_only=setup.lora_only, auto_wrap_policy=setup.auto_wrap_policy, source=str(config)
-        )
-        activations = count_activations(lambda: model(**batch).loss, precision=precision)
+    with fake_model(config, dtype=compute_dtype(precision), options=options, batch=batch) as (model, inputs):
+        description = describe_module(model, options=options, source=str(config))
+        activations = count_activations(lambda: model(**inputs).loss, precision=precision)
         recompute = 0
-        if setup.activation_checkpointing:
-            paths = [p for p in select_unit_paths(model, setup.auto_wrap_policy) if p]
+        if options.activation_checkpointing is not None:
+            paths = plan_model(model, options, layout=MeshLayout(replicate=1, shard=1), precision=precision,
+                               device_type="cpu").activation_checkpointing  # fmt: skip
             apply_activation_checkpointing(model, paths)
-            kept = count_activations(lambda: model(**batch).loss, precision=precision)
+            kept = count_activations(lambda: model(**inputs).loss, precision=precision)
             recompute, activations = (activations - kept) // max(len(paths), 1), kept
     return replace(description, activation_bytes=activations, recompute_bytes=recompute)
+
+
+def estimate_options(options: FSDPPlusOptions | None, **fields: Any) -> FSDPPlusOptions:
+    """``options`` (default ones if None) with ``fields`` changed; bad keys or values as :class:`EstimateError`."""
+    try:
+        return (options or FSDPPlusOptions()).replace(**fields)
+    except TypeError as err:
+        valid = ", ".join(f.name for f in FSDPPlusOptions.__dataclass_fields__.values())
+        raise EstimateError(f"{err}; valid options: {valid}") from None
+    except ValueError as err:
+        raise EstimateError(str(err)) from None
 
 
 def estimate_memory(
@@ -446,27 +318,23 @@ def estimate_memory(
     strategy: str | Sequence[str] = "all",
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
-    hybrid_shard_size: int | None = None,
-    lora: Any = None,
+    options: FSDPPlusOptions | None = None,
     trainable_fraction: float | None = None,
-    lora_only: bool = False,
-    quantize_base: str | None = None,
-    quantize_skip: Sequence[str] = ("lm_head",),
-    cpu_offload: bool = False,
-    auto_wrap_policy: WrapPolicy = "auto",
     activation_checkpointing: bool = False,
     batch_size: int = 1,
     seq_len: int = 2048,
     padded: bool = False,
     simulate: bool = False,
+    **option_fields: Any,
 ) -> tuple[ModelDescription, list[MemoryEstimate]]:
     """Estimates for every (world size, strategy) pair, from a parameter count or a transformers config.
 
-    Every argument is checked before any model is built; errors are :class:`EstimateError` naming the key.
-    ``simulate`` adds torch's FSDP2 memory tracker's peak (fake process group, FakeTensors) to each.
+    The model is prepared with ``options`` (:class:`~lightning_fsdp_plus.options.FSDPPlusOptions`; any of its
+    fields may also be given as a keyword, e.g. ``lora=``, ``lora_only=``, ``quantize_base=``,
+    ``hybrid_shard_size=``, ``cpu_offload=``); ``activation_checkpointing=True`` checkpoints every FSDP unit but
+    the root. Every argument is checked before any model is built; errors are :class:`EstimateError` naming the
+    key. ``simulate`` adds torch's FSDP2 memory tracker's peak (fake process group, FakeTensors) to each.
     """
-    from lightning_fsdp_plus.quantization import check_quantize_base
-
     if (params is None) == (config is None):
         raise EstimateError("give exactly one of params (a parameter count) or config (a config.json path)")
     sizes = [world_size] if isinstance(world_size, int) else list(world_size)
@@ -479,45 +347,40 @@ def estimate_memory(
     strategies = parse_strategies(strategy)
     _precision_bytes(precision)
     _optimizer_states(optimizer)
-    try:
-        check_quantize_base(quantize_base)
-    except ValueError as err:
-        raise EstimateError(str(err)) from None
-    if params is not None and lora is not None:
+    opts = estimate_options(options, **option_fields)
+    if activation_checkpointing:
+        opts = opts.replace(activation_checkpointing=opts.auto_wrap_policy)
+    if params is not None and opts.lora is not None:
         raise EstimateError("lora (rank, targets) needs config=...; with params=... give trainable_fraction")
     if config is not None and trainable_fraction is not None:
         raise EstimateError("trainable_fraction is for params=...; with config=... give lora (rank, targets)")
-    if activation_checkpointing and config is None:
+    if opts.activation_checkpointing is not None and config is None:
         raise EstimateError("activation_checkpointing needs config=... (the layers to checkpoint)")
     if simulate and config is None:
         raise EstimateError("simulate=True builds the model: give config=... (a transformers config.json)")
+    batch = ForwardBatch(batch_size=batch_size, seq_len=seq_len, padded=padded)
     if params is not None:
         model = describe_param_count(
             params, trainable_fraction=1.0 if trainable_fraction is None else trainable_fraction,
-            quantize_base=quantize_base, lora_only=lora_only,
+            quantize_base=opts.quantize_base, lora_only=opts.lora_only,
         )  # fmt: skip
     else:
-        setup = ModelSetup(
-            lora=lora, lora_only=lora_only, quantize_base=quantize_base, quantize_skip=tuple(quantize_skip),
-            auto_wrap_policy=auto_wrap_policy, activation_checkpointing=activation_checkpointing,
-            batch_size=batch_size, seq_len=seq_len, padded=padded,
-        )  # fmt: skip
-        model = describe_config(config, precision=precision, setup=setup)
-    common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": hybrid_shard_size}
+        model = describe_config(config, precision=precision, options=opts, batch=batch)
+    common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size}
     estimates = [
-        estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=cpu_offload, **common)
+        estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=opts.cpu_offload, **common)
         for size in sizes
         for name in strategies
         # "all" without a group size: HYBRID_SHARD would only repeat FULL_SHARD
-        if not (name is ShardingStrategy.HYBRID_SHARD and hybrid_shard_size is None and len(strategies) > 1)
+        if not (name is ShardingStrategy.HYBRID_SHARD and opts.hybrid_shard_size is None and len(strategies) > 1)
     ]
     if simulate:
         from lightning_fsdp_plus.memory.simulate import simulate_peak
 
-        strategy_of = {s.value: s for s in ShardingStrategy}
         estimates = [
-            replace(e, simulated=simulate_peak(config, sharding_strategy=strategy_of[e.sharding_strategy],
-                                               world_size=e.world_size, setup=setup, **common))
+            replace(e, simulated=simulate_peak(config, options=opts.replace(sharding_strategy=e.sharding_strategy),
+                                               world_size=e.world_size, batch=batch, precision=precision,
+                                               optimizer=optimizer))
             for e in estimates
         ]  # fmt: skip
     return model, estimates

@@ -1,7 +1,7 @@
 """``simulate``: torch's FSDP2 memory tracker on a fake process group — a per-rank peak without a GPU.
 
-The config's model is built on FakeTensors, prepared and sharded exactly as the strategy does it
-(LoRA, int8 skeleton, wrap policy, ``MixedPrecisionPolicy``) on rank 0 of a ``fake`` process group of
+The config's model is built on FakeTensors and run through the same pipeline as the strategy's (prepare,
+quantize, plan, shard: ``lightning_fsdp_plus.pipeline``) on rank 0 of a ``fake`` process group of
 ``world_size`` ranks, and two training steps run under ``FSDPMemTracker``
 (``torch.distributed._tools.fsdp2_mem_tracker``). No memory is allocated and nothing is communicated;
 the tracker reports what rank 0 would hold, by category, at its peak.
@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp_plus.lora import frozen_parameters
-from lightning_fsdp_plus.memory.estimate import EstimateError, ModelSetup, fake_model
-from lightning_fsdp_plus.plan import ShardingStrategy, build_sharding_plan, resolve_mesh_layout
-from lightning_fsdp_plus.policies import select_unit_paths
-from lightning_fsdp_plus.precision import FSDPPlusPrecision, mixed_precision_policy, stored_dtype
-from lightning_fsdp_plus.sharding import apply_sharding_plan, init_mesh
+from lightning_fsdp_plus._private import fake_store, fsdp2_mem_tracker
+from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, fake_model
+from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.pipeline import plan_model, shard_model
+from lightning_fsdp_plus.precision import FSDPPlusPrecision, stored_dtype
+from lightning_fsdp_plus.sharding import init_mesh
 
 
 def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -32,57 +32,40 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]) -> torch.optim.Optim
 def simulate_peak(
     config: Any,
     *,
-    sharding_strategy: ShardingStrategy,
+    options: FSDPPlusOptions,
     world_size: int,
+    batch: ForwardBatch,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
-    hybrid_shard_size: int | None = None,
-    setup: ModelSetup | None = None,
 ) -> dict[str, int]:
     """Rank 0's peak bytes by ``FSDPMemTracker`` category (and ``total``) for two training steps."""
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    setup = setup or ModelSetup()
     if dist.is_initialized():
         raise EstimateError("simulate=True starts a fake process group: run it where none is initialised")
-    layout = resolve_mesh_layout(
-        sharding_strategy=sharding_strategy, world_size=world_size, hybrid_shard_size=hybrid_shard_size
-    )
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    layout = options.mesh_layout(world_size=world_size)
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store()())
     try:
         mesh = init_mesh(layout=layout, device_type="cpu")  # real tensors: the mesh reads its ranks
-        with fake_model(config, dtype=stored_dtype(precision), setup=setup) as (model, batch):
-            replicated = frozen_parameters(model) if setup.lora_only else set()
-            unit_paths = select_unit_paths(model, setup.auto_wrap_policy)
-            plan = build_sharding_plan(
-                model,
-                unit_paths=unit_paths,
-                sharding_strategy=sharding_strategy,
-                mesh=layout,
-                ignored_params=replicated,
-                activation_checkpointing=[p for p in unit_paths if p] if setup.activation_checkpointing else (),
-            )
-            apply_sharding_plan(
-                model, plan, mesh=mesh, mp_policy=mixed_precision_policy(precision=precision), ignored_params=replicated
-            )
+        with fake_model(config, dtype=stored_dtype(precision), options=options, batch=batch) as (model, inputs):
+            plan = plan_model(model, options, layout=layout, precision=precision, device_type="cpu")
+            shard_model(model, plan, mesh=mesh)
             opt = _optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
-            tracker = FSDPMemTracker(model, opt)
-            tracker.track_inputs(tuple(batch.values()))
+            tracker = fsdp2_mem_tracker()(model, opt)
+            tracker.track_inputs(tuple(inputs.values()))
             with tracker:
                 for _ in range(2):  # the second step has optimizer state
                     with FSDPPlusPrecision(precision).forward_context():  # type: ignore[arg-type]
-                        loss = model(**batch).loss
+                        loss = model(**inputs).loss
                     loss.backward()
                     opt.step()
                     opt.zero_grad()
                     tracker.reset_mod_stats()
             snapshot = tracker.get_tracker_snapshot("peak")
+            replicated = plan.replicated
     finally:
         dist.destroy_process_group()
     categories = next(iter(snapshot.values()), {})
     peak = {str(getattr(key, "value", key)).lower().replace(" ", "_"): int(v) for key, v in categories.items()}
     # the tracker follows FSDP-managed tensors only: add the replicated (ignored) parameters it cannot see
-    peak["replicated_param"] = sum(p.numel() * p.element_size() for p in replicated)
+    peak["replicated_param"] = sum(p.bytes_per_rank for p in replicated)
     peak["total"] = peak.get("total", 0) + peak["replicated_param"]
     return peak

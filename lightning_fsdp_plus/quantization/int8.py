@@ -182,7 +182,8 @@ def int8_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> 
 def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), threshold: float = 6.0) -> list[str]:
     """Replace the ``int8_candidates`` with ``Int8Linear`` in place; returns the converted module paths.
 
-    Float layers are quantized like ``Linear8bitLt``; bitsandbytes layers are converted losslessly.
+    Float layers are quantized like ``Linear8bitLt``; bitsandbytes layers are converted losslessly. Layers on
+    the meta device (a model built without weights) become empty ``Int8Linear`` layers of the same shapes.
     """
     require_bitsandbytes()
     converted = int8_candidates(model, skip=skip)
@@ -190,9 +191,12 @@ def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), thr
         module = model.get_submodule(path)
         if _is_bnb_int8(module):
             replacement = Int8Linear.from_bnb(module)
+        elif module.weight.is_meta:
+            bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
+            replacement = Int8Linear(module.in_features, module.out_features, module.bias is not None,
+                                     threshold=threshold, bias_dtype=bias_dtype, device="meta")  # fmt: skip
         else:
             replacement = Int8Linear.from_linear(module, threshold=threshold)
         replacement.train(module.training)  # eval layers use bitsandbytes' int8 matmul, training ones dequantize
-        parent_path, _, name = path.rpartition(".")
-        setattr(model.get_submodule(parent_path) if parent_path else model, name, replacement)
+        model.set_submodule(path, replacement)
     return converted

@@ -1,0 +1,117 @@
+"""Every private torch and Lightning API this package touches, in one place.
+
+Checked with torch 2.13.0 and lightning 2.6.6 (``constraints.txt``); ``scripts/check_oldest.sh`` runs the quick
+test subset at the oldest versions ``pyproject.toml`` admits. When one of these moves, this module is where the
+adaptation goes. Heavy or optional ones are imported on first use.
+
+======================================================= ================================================
+private API                                             used for
+======================================================= ================================================
+lightning ``_SubprocessScriptLauncher``                 the ``popen`` launch (as ``ddp`` does)
+lightning ``_MultiProcessingLauncher``, ``_WorkerOutput`` the ``spawn`` launch returning gathered weights
+lightning ``_materialize_distributed_module``           meta -> real tensors after sharding
+lightning ``_optimizers_to_device``                     optimizer state onto the root device
+lightning ``_DtypeContextManager``, ``_convert_fp_tensor`` default dtype in ``-true`` presets, input casts
+lightning ``_collect_rng_states``, ``_set_rng_states``    per-rank RNG in checkpoints
+lightning ``_distributed_checkpoint_save``              writing a sharded checkpoint (DCP)
+lightning ``_METADATA_FILENAME``, ``_is_sharded_checkpoint`` Lightning's sharded-checkpoint layout
+``Strategy._forward_redirection``                       steps through the root unit's ``__call__``
+torch ``fsdp.wrap._Policy``, ``_recursive_wrap``        FSDP1 wrap policies -> FSDP2 units
+torch ``distributed._composable.checkpoint``            composable activation checkpointing
+torch ``FSDPModule._get_fsdp_state``, ``ShardedState``  reading FSDP2's parameter records (memory)
+torch DTensor caches (``_redistribute``, ``MeshTopoInfo``) freeing process groups at exit
+torch ``_subclasses.fake_tensor.FakeTensorMode``        the estimator's FakeTensor model
+torch ``_tools.fsdp2_mem_tracker``, ``fake_pg.FakeStore`` ``--simulate``
+======================================================= ================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save, _is_sharded_checkpoint
+from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+
+__all__ = [
+    "_METADATA_FILENAME",
+    "_DtypeContextManager",
+    "_MultiProcessingLauncher",
+    "_SubprocessScriptLauncher",
+    "_WorkerOutput",
+    "_collect_rng_states",
+    "_convert_fp_tensor",
+    "_distributed_checkpoint_save",
+    "_is_sharded_checkpoint",
+    "_materialize_distributed_module",
+    "_optimizers_to_device",
+    "_set_rng_states",
+    "composable_checkpoint",
+    "fake_store",
+    "fake_tensor_mode",
+    "fsdp1_policy_base",
+    "fsdp1_recursive_wrap",
+    "fsdp2_mem_tracker",
+    "fsdp_param_records",
+    "sharded_state",
+]
+
+
+def fsdp1_policy_base() -> type:
+    """FSDP1's ``_Policy`` base class (``ModuleWrapPolicy``, ``CustomPolicy``)."""
+    from torch.distributed.fsdp.wrap import _Policy
+
+    return _Policy
+
+
+def fsdp1_recursive_wrap() -> Any:
+    """FSDP1's ``_recursive_wrap``: walks a model as an FSDP1 wrap policy would."""
+    from torch.distributed.fsdp.wrap import _recursive_wrap
+
+    return _recursive_wrap
+
+
+def composable_checkpoint() -> Any:
+    """torch's composable (non-reentrant) activation checkpointing."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint
+
+
+def fsdp_param_records(module: Any) -> list[Any]:
+    """FSDP2's ``FSDPParam`` records of one ``FSDPModule`` (empty when it manages no parameter)."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    return list(group.fsdp_params) if group is not None else []
+
+
+def sharded_state() -> Any:
+    """FSDP2's ``ShardedState`` enum (``SHARDED`` / ``UNSHARDED``)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+
+    return ShardedState
+
+
+def fake_tensor_mode() -> Any:
+    """torch's ``FakeTensorMode``: tensors with shapes and dtypes but no storage."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode
+
+
+def fsdp2_mem_tracker() -> Any:
+    """torch's ``FSDPMemTracker``."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    return FSDPMemTracker
+
+
+def fake_store() -> Any:
+    """The store of torch's ``fake`` process group backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore

@@ -1,0 +1,128 @@
+"""A transformers config's model without memory: built on meta, prepared by the pipeline, then FakeTensors.
+
+The estimator (``estimate.py``) counts parameters and one forward's activations on it; ``--simulate``
+(``simulate.py``) shards it on a fake process group. Both get it from here, prepared exactly as
+``FSDPPlusStrategy`` prepares a model (LoRA, int8), inside a holder module that plays the LightningModule.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_fsdp_plus._private import _DtypeContextManager, fake_tensor_mode
+from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.pipeline import prepare_model, quantize_model
+
+
+class EstimateError(ValueError):
+    """Bad estimator input; the message names the key, the bad value and the valid choices."""
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """The batch one counted forward sees."""
+
+    batch_size: int = 1
+    """Sequences per rank."""
+    seq_len: int = 2048
+    """Tokens per sequence."""
+    padded: bool = False
+    """Give the batch an attention mask with a padded position (the masked attention path)."""
+
+
+class CausalLMHolder(nn.Module):
+    """The root module around a causal LM, as a LightningModule holds ``self.model`` (LoRA wraps the inside)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        """Run the held model."""
+        return self.model(**batch)
+
+
+def load_config(path: str | Path) -> Any:
+    """A transformers config from ``config.json`` or a directory holding one (local files only)."""
+    from transformers import AutoConfig
+
+    target = Path(path)
+    file = target / "config.json" if target.is_dir() else target
+    try:
+        values = json.loads(file.read_text())
+        model_type = values.pop("model_type")
+        return AutoConfig.for_model(model_type, **values)
+    except (OSError, ValueError, KeyError) as err:
+        reason = "no model_type" if isinstance(err, KeyError) else f"{type(err).__name__}: {err}"
+        raise EstimateError(f"config={str(path)!r} is not a readable transformers config.json ({reason})") from None
+
+
+def build_meta_model(hf_config: Any, *, dtype: torch.dtype, options: FSDPPlusOptions) -> CausalLMHolder:
+    """The config's causal LM on the meta device in a holder, through the pipeline's prepare and quantize stages
+    (everything trains when no LoRA is configured)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"), _DtypeContextManager(dtype):
+        holder = CausalLMHolder(AutoModelForCausalLM.from_config(hf_config))
+        if options.lora is None:
+            holder.requires_grad_(True)
+        try:
+            prepare_model(holder, options)
+        except ValueError as err:
+            raise EstimateError(str(err)) from None
+        quantize_model(holder, options)
+    return holder
+
+
+@contextmanager
+def fake_model(
+    config: str | Path, *, dtype: torch.dtype, options: FSDPPlusOptions, batch: ForwardBatch
+) -> Iterator[tuple[nn.Module, dict]]:
+    """``(model, batch)`` on CPU FakeTensors inside ``FakeTensorMode``: the prepared model in ``dtype`` and one
+    example batch."""
+    hf_config = load_config(config)
+    model = build_meta_model(hf_config, dtype=dtype, options=options)
+    with fake_tensor_mode()():
+        to_fake(model)
+        model.train()
+        yield model, example_batch(vocab_size=hf_config.vocab_size, batch=batch)
+
+
+def to_fake(model: nn.Module) -> nn.Module:
+    """Replace meta parameters and buffers by CPU FakeTensors of the same shapes (call in ``FakeTensorMode``).
+
+    Fake CPU tensors run the CPU kernels' shape logic (which tensors autograd saves), unlike meta ones.
+    Tied parameters stay tied.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in memo:
+                    fake = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+                    is_param = isinstance(tensor, nn.Parameter)
+                    memo[id(tensor)] = nn.Parameter(fake, requires_grad=tensor.requires_grad) if is_param else fake
+                table[name] = memo[id(tensor)]
+    return model
+
+
+def example_batch(*, vocab_size: int, batch: ForwardBatch) -> dict[str, torch.Tensor]:
+    """Token ids (and labels) for one forward; ``padded`` adds an attention mask with one padded position,
+    as padding collators produce: attention then takes its masked path, which saves more for backward."""
+    ids = torch.randint(0, vocab_size, (batch.batch_size, batch.seq_len))
+    out = {"input_ids": ids, "labels": ids}
+    if batch.padded:
+        mask = torch.ones(batch.batch_size, batch.seq_len, dtype=torch.long)
+        mask[0, -1] = 0
+        out["attention_mask"] = mask
+    return out

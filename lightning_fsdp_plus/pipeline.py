@@ -1,0 +1,142 @@
+"""From a module to a sharded, materialized module, in stages every caller shares.
+
+    prepare (LoRA, checks) -> quantize (int8) -> plan (pure data) -> shard (fully_shard) -> materialize
+
+``FSDPPlusStrategy.setup`` runs all of them; the memory estimator runs the first three on a meta/FakeTensor
+model, and ``--simulate`` shards that model on a fake process group. Each stage takes the one
+:class:`~lightning_fsdp_plus.options.FSDPPlusOptions`, so the three can never prepare a model differently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from lightning_fsdp_plus._private import _materialize_distributed_module
+from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters
+from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
+from lightning_fsdp_plus.policies import resolve_module_classes, select_unit_paths
+from lightning_fsdp_plus.precision import mixed_precision_policy
+from lightning_fsdp_plus.quantization import Int8Linear, convert_to_int8, int8_candidates
+from lightning_fsdp_plus.sharding import apply_sharding_plan
+
+
+def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
+    """Stage 1: apply LoRA if configured, and check what LoRA-only sharding and int8 need (idempotent)."""
+    if options.lora is not None:
+        apply_lora(model, options.lora)
+    if options.lora_only:
+        check_trainable(model)
+    already = any(isinstance(m, Int8Linear) for m in model.modules())
+    if options.quantize_base == "int8" and not already and not int8_candidates(model, skip=options.quantize_skip):
+        raise ValueError(
+            "quantize_base='int8' found no frozen nn.Linear outside LoRA adapters and quantize_skip="
+            f"{list(options.quantize_skip)}; freeze the base (e.g. apply LoRA) or set quantize_base=None"
+        )
+
+
+def quantize_model(model: nn.Module, options: FSDPPlusOptions) -> list[str]:
+    """Stage 2: frozen linear layers become ``Int8Linear`` (from float weights, or empty ones on meta)."""
+    if options.quantize_base != "int8":
+        return []
+    return convert_to_int8(model, skip=options.quantize_skip, threshold=options.int8_threshold)
+
+
+def replicated_params(model: nn.Module, options: FSDPPlusOptions) -> set[nn.Parameter]:
+    """Parameters kept out of FSDP: the frozen base under ``lora_only``, and ``ignored_modules``."""
+    replicated = frozen_parameters(model) if options.lora_only else set()
+    for item in options.ignored_modules or ():
+        if isinstance(item, nn.Parameter):
+            replicated.add(item)
+        elif isinstance(item, nn.Module):
+            replicated.update(item.parameters())
+        else:
+            classes = tuple(resolve_module_classes(model, [item], key="ignored_modules"))
+            replicated.update(p for m in model.modules() if isinstance(m, classes) for p in m.parameters())
+    return replicated
+
+
+def plan_model(
+    model: nn.Module, options: FSDPPlusOptions, *, layout: MeshLayout, precision: str, device_type: str
+) -> ShardingPlan:
+    """Stage 3: the sharding plan — units, replicated parameters, checkpointing, policy, offload, prefetch."""
+    checkpointed = options.activation_checkpointing
+    return build_sharding_plan(
+        model,
+        unit_paths=select_unit_paths(model, options.auto_wrap_policy),
+        sharding_strategy=options.sharding_strategy,
+        mesh=layout,
+        ignored_params=replicated_params(model, options),
+        activation_checkpointing=select_unit_paths(model, checkpointed, key="activation_checkpointing")
+        if checkpointed is not None
+        else (),
+        reshard_after_forward=options.resharded_after_forward,
+        mp_policy=mixed_precision_policy(precision=precision, mapping=options.mixed_precision),
+        cpu_offload=options.cpu_offload and device_type != "cpu",  # on CPU the parameters already live there
+        forward_prefetch=options.forward_prefetch,
+    )
+
+
+def sync_module_states(model: nn.Module, *, device: torch.device) -> None:
+    """Rank 0's parameters and buffers on every rank, one tensor at a time (before sharding)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_meta:
+                continue
+            staged = tensor.detach().to(device)  # nccl needs device tensors; gloo takes CPU ones as they are
+            dist.broadcast(staged, src=0)
+            tensor.copy_(staged)
+
+
+def shard_model(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> list[FSDPModule]:
+    """Stage 4: ``fully_shard`` every unit of the plan (:func:`~lightning_fsdp_plus.sharding.apply_sharding_plan`)."""
+    return apply_sharding_plan(model, plan, mesh=mesh)
+
+
+def materialize_model(
+    model: nn.Module, *, device: torch.device, param_init_fn: Callable[[nn.Module], Any] | None = None
+) -> None:
+    """Stage 5: tensors still on the meta device become real: ``param_init_fn`` per module (FSDP1's contract),
+    else ``to_empty`` + ``reset_parameters`` (Lightning's helper)."""
+    if param_init_fn is None:
+        _materialize_distributed_module(model, device)
+        return
+    for module in model.modules():
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if any(t.is_meta for t in own):
+            param_init_fn(module)
+
+
+def build_sharded_model(
+    model: nn.Module,
+    options: FSDPPlusOptions,
+    *,
+    mesh: DeviceMesh,
+    layout: MeshLayout,
+    precision: Any,
+    device: torch.device,
+    report: Callable[[str], Any] = lambda _: None,
+) -> tuple[nn.Module, ShardingPlan]:
+    """Every stage in order; ``precision`` is the precision plugin (its ``convert_module`` runs after int8 so that
+    quantization reads the float weights). Returns the (converted) model and the plan it was sharded by."""
+    prepare_model(model, options)
+    converted = quantize_model(model, options)
+    if converted:
+        report(f"fsdp_plus: {len(converted)} frozen linear layers now int8 (LLM.int8)")
+    model = precision.convert_module(model)
+    if options.sync_module_states:
+        sync_module_states(model, device=device)
+    plan = plan_model(model, options, layout=layout, precision=str(precision.precision), device_type=device.type)
+    report(plan.format_table())
+    shard_model(model, plan, mesh=mesh)
+    materialize_model(model, device=device, param_init_fn=options.param_init_fn)
+    return model, plan

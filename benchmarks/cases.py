@@ -36,7 +36,7 @@ from benchmarks.harness import (
     all_gathers_by_kind,
 )
 from lightning_fsdp_plus import FSDPPlusStrategy
-from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.memory import SavedActivations
 from lightning_fsdp_plus.plan import ShardingStrategy, resolve_mesh_layout
 from lightning_fsdp_plus.sharding import init_mesh

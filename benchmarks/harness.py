@@ -24,9 +24,9 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from torch import nn
 
+from lightning_fsdp_plus.app.metrics import count_tokens
 from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.monitor import MemoryPeaks, sample_memory
-from lightning_fsdp_plus.metrics import count_tokens
 
 _COUNTED = {
     # name: (kind, index of the tensor whose size is counted)

@@ -21,8 +21,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import lightning_fsdp_plus  # noqa: F401  (registers strategy="fsdp_plus")
 from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus._dist import barrier
-from lightning_fsdp_plus.data import SyntheticLMDataModule
-from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.app.data import SyntheticLMDataModule
+from lightning_fsdp_plus.app.lm import CausalLMModule
 
 VOCAB, SEQ = 128, 32
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -15,6 +14,8 @@ import torch.distributed as dist
 import torch.distributed.fsdp.sharded_grad_scaler
 import torch.distributed.nn.functional
 import torch.distributed.optim  # noqa: F401
+
+from lightning_fsdp_plus._private import clear_dtensor_caches
 
 
 def initialized() -> bool:
@@ -52,34 +53,8 @@ def shutdown() -> None:
     """
     if initialized():
         dist.destroy_process_group()
-    _clear_dtensor_caches()
+    clear_dtensor_caches()
     gc.collect()
-
-
-def _clear_dtensor_caches() -> None:
-    """Empty DTensor's memo caches: their keys and values hold device meshes, and a mesh holds its groups.
-
-    The caches are torch internals. One this torch version lacks is skipped; with the pinned torch,
-    ``tests/test_dist.py`` fails if one that holds a group is missed.
-    """
-    from torch.distributed.tensor import DTensor, debug
-    from torch.distributed.tensor import _redistribute as redistribute
-    from torch.distributed.tensor._collective_utils import MeshTopoInfo
-
-    def cache_clear(fn: object) -> Callable[[], object] | None:
-        return getattr(fn, "cache_clear", None)
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    clears = (
-        getattr(debug, "_clear_sharding_prop_cache", None),  # op sharding decisions (Python and fast path)
-        cache_clear(getattr(propagator, "_propagate_tensor_meta_cached", None)),
-        getattr(redistribute, "clear_redistribute_planner_cache", None),  # weakly keyed; planners hold meshes
-        cache_clear(getattr(redistribute, "_gen_transform_infos", None)),
-        cache_clear(getattr(MeshTopoInfo, "build_from_mesh", None)),
-    )
-    for clear in clears:
-        if clear is not None:
-            clear()
 
 
 def all_gather_object(obj: Any) -> list[Any]:

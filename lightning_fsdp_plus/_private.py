@@ -4,29 +4,31 @@ Checked with torch 2.13.0 and lightning 2.6.6 (``constraints.txt``); ``scripts/c
 test subset at the oldest versions ``pyproject.toml`` admits. When one of these moves, this module is where the
 adaptation goes. Heavy or optional ones are imported on first use.
 
-======================================================= ================================================
-private API                                             used for
-======================================================= ================================================
-lightning ``_SubprocessScriptLauncher``                 the ``popen`` launch (as ``ddp`` does)
-lightning ``_MultiProcessingLauncher``, ``_WorkerOutput`` the ``spawn`` launch returning gathered weights
-lightning ``_materialize_distributed_module``           meta -> real tensors after sharding
-lightning ``_optimizers_to_device``                     optimizer state onto the root device
-lightning ``_DtypeContextManager``, ``_convert_fp_tensor`` default dtype in ``-true`` presets, input casts
-lightning ``_collect_rng_states``, ``_set_rng_states``    per-rank RNG in checkpoints
-lightning ``_distributed_checkpoint_save``              writing a sharded checkpoint (DCP)
-lightning ``_METADATA_FILENAME``, ``_is_sharded_checkpoint`` Lightning's sharded-checkpoint layout
-``Strategy._forward_redirection``                       steps through the root unit's ``__call__``
-torch ``fsdp.wrap._Policy``, ``_recursive_wrap``        FSDP1 wrap policies -> FSDP2 units
-torch ``distributed._composable.checkpoint``            composable activation checkpointing
-torch ``FSDPModule._get_fsdp_state``, ``ShardedState``  reading FSDP2's parameter records (memory)
-torch DTensor caches (``_redistribute``, ``MeshTopoInfo``) freeing process groups at exit
-torch ``_subclasses.fake_tensor.FakeTensorMode``        the estimator's FakeTensor model
-torch ``_tools.fsdp2_mem_tracker``, ``fake_pg.FakeStore`` ``--simulate``
-======================================================= ================================================
+Lightning (2.6.6):
+
+- ``_SubprocessScriptLauncher``: the ``popen`` launch (as ``ddp`` does);
+- ``_MultiProcessingLauncher``, ``_WorkerOutput``: the ``spawn`` launch that returns gathered weights;
+- ``_materialize_distributed_module``, ``_optimizers_to_device``: meta tensors made real, optimizer state moved;
+- ``_DtypeContextManager``: the estimator builds its meta model in a dtype;
+- ``_collect_rng_states``, ``_set_rng_states``: per-rank RNG in checkpoints;
+- ``_distributed_checkpoint_save``, ``_METADATA_FILENAME``, ``_is_sharded_checkpoint``: Lightning's sharded
+  checkpoint layout, which ours keeps;
+- ``FSDPPrecision._desired_input_dtype`` (set by ``FSDPPlusPrecision``, which skips ``FSDPPrecision.__init__``)
+  and ``Strategy._forward_redirection`` (steps run through the root unit's ``__call__``).
+
+torch (2.13.0):
+
+- ``fsdp.wrap._Policy``, ``fsdp.wrap._recursive_wrap``: FSDP1 wrap policies turned into FSDP2 units;
+- ``distributed._composable.checkpoint``: composable activation checkpointing;
+- ``FSDPModule._get_fsdp_state``, ``_fully_shard._fsdp_param.ShardedState``: FSDP2's parameter records (memory);
+- DTensor's caches (``_redistribute``, ``_collective_utils.MeshTopoInfo``, ``debug``): freeing groups at exit;
+- ``_subclasses.fake_tensor.FakeTensorMode``, ``_tools.fsdp2_mem_tracker``, ``testing._internal...FakeStore``:
+  the estimator's FakeTensor model and ``--simulate``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
@@ -51,6 +53,7 @@ __all__ = [
     "_materialize_distributed_module",
     "_optimizers_to_device",
     "_set_rng_states",
+    "clear_dtensor_caches",
     "composable_checkpoint",
     "fake_store",
     "fake_tensor_mode",
@@ -115,3 +118,29 @@ def fake_store() -> Any:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's memo caches: their keys and values hold device meshes, and a mesh holds its groups.
+
+    The caches are torch internals. One this torch version lacks is skipped; with the pinned torch,
+    ``tests/test_dist.py`` fails if one that holds a group is missed.
+    """
+    from torch.distributed.tensor import DTensor, debug
+    from torch.distributed.tensor import _redistribute as redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+
+    def cache_clear(fn: object) -> Callable[[], object] | None:
+        return getattr(fn, "cache_clear", None)
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    clears = (
+        getattr(debug, "_clear_sharding_prop_cache", None),  # op sharding decisions (Python and fast path)
+        cache_clear(getattr(propagator, "_propagate_tensor_meta_cached", None)),
+        getattr(redistribute, "clear_redistribute_planner_cache", None),  # weakly keyed; planners hold meshes
+        cache_clear(getattr(redistribute, "_gen_transform_infos", None)),
+        cache_clear(getattr(MeshTopoInfo, "build_from_mesh", None)),
+    )
+    for clear in clears:
+        if clear is not None:
+            clear()

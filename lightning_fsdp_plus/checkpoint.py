@@ -31,9 +31,16 @@ import torch
 from torch import nn
 
 from lightning_fsdp_plus._dist import all_gather_object, barrier, broadcast_object, rank
+from lightning_fsdp_plus._private import (
+    _METADATA_FILENAME,
+    _collect_rng_states,
+    _distributed_checkpoint_save,
+    _is_sharded_checkpoint,
+    _set_rng_states,
+)
 
 MANIFEST = "manifest.json"
-META = "meta.pt"
+META = _METADATA_FILENAME  # Lightning's sharded layout: DCP files + "meta.pt"
 FORMAT_VERSION = 1
 
 
@@ -81,8 +88,6 @@ def commit(tmp: Path, path: Path) -> None:
 
 def collect_rng_states() -> dict[str, Any]:
     """This rank's RNG states, as Lightning collects them, with numpy's key as a tensor (weights_only-safe)."""
-    from lightning.fabric.utilities.seed import _collect_rng_states
-
     states = _collect_rng_states(include_cuda=torch.cuda.is_available())
     if "numpy" in states:
         name, keys, pos, has_gauss, cached = states["numpy"]
@@ -92,8 +97,6 @@ def collect_rng_states() -> dict[str, Any]:
 
 def restore_rng_states(states: dict[str, Any]) -> None:
     """Put this rank's RNGs back where they were."""
-    from lightning.fabric.utilities.seed import _set_rng_states
-
     if "numpy" in states:
         name, keys, pos, has_gauss, cached = states["numpy"]
         states = {**states, "numpy": (name, keys.numpy().astype("uint32"), pos, has_gauss, cached)}
@@ -108,13 +111,11 @@ def save_sharded(
     metadata: dict[str, Any],
 ) -> Path:
     """Write a sharded checkpoint directory atomically; call on every rank."""
-    import torch.distributed.checkpoint as dcp
-
     path = Path(path)
     tmp = Path(broadcast_object(str(temporary_sibling(path))))
     tmp.mkdir(parents=True, exist_ok=True)
     state = {"state_dict": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)))
+    _distributed_checkpoint_save(state, tmp)  # Lightning's ModelParallelStrategy layout, in a temporary sibling
     me = rank()
     torch.save(collect_rng_states(), tmp / f"rng_rank{me}.pt")
     if me == 0:
@@ -240,5 +241,5 @@ def load_full(path: str | Path) -> dict[str, Any]:
 
 
 def is_sharded_checkpoint(path: str | Path) -> bool:
-    """A directory written by ``save_sharded``."""
-    return Path(path).is_dir() and (Path(path) / META).is_file()
+    """A sharded checkpoint directory (ours, or Lightning's ``ModelParallelStrategy``/``FSDPStrategy`` one)."""
+    return _is_sharded_checkpoint(Path(path))

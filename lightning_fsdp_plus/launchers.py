@@ -6,10 +6,11 @@ import os
 import tempfile
 from typing import Any
 
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from typing_extensions import override
+
+from lightning_fsdp_plus._private import _MultiProcessingLauncher, _WorkerOutput
 
 
 class FSDPPlusSpawnLauncher(_MultiProcessingLauncher):

@@ -270,7 +270,8 @@ def options_markdown() -> str:
     docs = field_docs()
     rows = ["| argument | default | meaning |", "|---|---|---|"]
     for item in dataclasses.fields(FSDPPlusOptions):
-        rows.append(f"| `{item.name}` | `{default_text(item.default)}` | {docs.get(item.name, '')} |")
+        meaning = docs.get(item.name, "").replace("``", "`")  # reST literals as Markdown code
+        rows.append(f"| `{item.name}` | `{default_text(item.default)}` | {meaning} |")
     return "\n".join(rows) + "\n"
 
 
@@ -279,6 +280,7 @@ def arguments_docstring() -> str:
     docs = field_docs()
     lines = ["Arguments:"]
     for item in dataclasses.fields(FSDPPlusOptions):
-        text = textwrap.fill(f"{item.name}: {docs.get(item.name, '')}", width=112, subsequent_indent="        ")
+        text = textwrap.fill(f"{item.name}: {docs.get(item.name, '')}", width=112, subsequent_indent="        ",
+                             break_on_hyphens=False, break_long_words=False)
         lines.append(f"    {text}")
     return "\n".join(lines)

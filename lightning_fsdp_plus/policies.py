@@ -35,9 +35,9 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 def is_fsdp1_policy(value: Any) -> bool:
     """An FSDP1 ``_Policy`` object, or a function taking FSDP1's ``recurse`` / ``nonwrapped_numel`` arguments."""
-    from torch.distributed.fsdp.wrap import _Policy
+    from lightning_fsdp_plus._private import fsdp1_policy_base
 
-    if isinstance(value, _Policy):
+    if isinstance(value, fsdp1_policy_base()):
         return True
     if not callable(value) or isinstance(value, (type, FSDP1Policy)):
         return False

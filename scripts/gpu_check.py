@@ -60,7 +60,7 @@ def check_training_run(steps: int) -> None:
     devices = min(2, torch.cuda.device_count())
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     command = [
-        *(sys.executable, "-m", "lightning_fsdp_plus.train", "experiment=medical_lora", "precision=bf16_mixed"),
+        *(sys.executable, "-m", "lightning_fsdp_plus.app.train", "experiment=medical_lora", "precision=bf16_mixed"),
         *("trainer.accelerator=gpu", f"trainer.devices={devices}", f"trainer.max_steps={steps}"),
         *("trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"),
     ]

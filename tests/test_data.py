@@ -7,7 +7,7 @@ import json
 import datasets
 import pytest
 
-from lightning_fsdp_plus.data import (
+from lightning_fsdp_plus.app.data import (
     InstructionDataModule,
     PadCollator,
     load_records,

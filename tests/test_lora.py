@@ -6,7 +6,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel
 
-from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.lora import (
     apply_lora,
     check_trainable,

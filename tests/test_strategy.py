@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
 
 import lightning_fsdp_plus
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy, ShardingStrategy
-from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.app.lm import CausalLMModule
 from tests.helpers.models import TinyLM, tiny_llama
 
 

@@ -8,7 +8,7 @@ import json
 import matplotlib.image
 import pytest
 
-from lightning_fsdp_plus.sweep import job_labels, write_summary
+from lightning_fsdp_plus.app.sweep import job_labels, write_summary
 
 
 def _job(sweep, name, **metrics):

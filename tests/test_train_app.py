@@ -20,7 +20,7 @@ QUICK = ["trainer.max_steps=8", "trainer.enable_progress_bar=false", "data.train
 
 
 def run_app(args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "lightning_fsdp_plus.train"] if module else [str(CONSOLE_SCRIPT)]
+    command = [sys.executable, "-m", "lightning_fsdp_plus.app.train"] if module else [str(CONSOLE_SCRIPT)]
     return subprocess.run([*command, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_fsdp_plus._private import fsdp_param_records, sharded_state
+
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -50,15 +52,12 @@ def _fsdp_params(module: nn.Module) -> Iterator[Any]:
     """FSDP2's per-parameter records (``FSDPParam``) of every unit inside ``module``."""
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            group = sub._get_fsdp_state()._fsdp_param_group
-            yield from group.fsdp_params if group is not None else ()
+            yield from fsdp_param_records(sub)
 
 
 def _unsharded(fsdp_param: Any) -> Tensor | None:
     """The all-gathered parameter of ``fsdp_param`` if it is alive now, else None."""
-    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
-
-    if fsdp_param.sharded_state is ShardedState.UNSHARDED and hasattr(fsdp_param, "_unsharded_param"):
+    if fsdp_param.sharded_state is sharded_state().UNSHARDED and hasattr(fsdp_param, "_unsharded_param"):
         return fsdp_param._unsharded_param
     return None
 

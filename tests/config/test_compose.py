@@ -13,8 +13,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from hydra.utils import instantiate
 
 from lightning_fsdp_plus import FSDPPlusStrategy, ShardingStrategy
-from lightning_fsdp_plus.config import register_configs
-from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
+from lightning_fsdp_plus.app.config import register_configs
+from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_config
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

@@ -24,7 +24,7 @@ DOMAINS = ["medical_lora", "legal_lora"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     sweep = tmp_path_factory.mktemp("experiments")
-    command = [sys.executable, "-m", "lightning_fsdp_plus.train", "-m", "experiment=medical_lora,legal_lora",
+    command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", "-m", "experiment=medical_lora,legal_lora",
                "trainer.max_steps=60", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
@@ -60,7 +60,7 @@ def test_memory_estimate_of_the_experiment_matches_its_metrics(runs, domain):
 
 
 def _val_loss(model, datamodule) -> float:
-    from lightning_fsdp_plus.lm import target_tokens
+    from lightning_fsdp_plus.app.lm import target_tokens
 
     total = tokens = 0.0
     with torch.no_grad():
@@ -85,7 +85,7 @@ def _reloaded(run: Path, *, int8: bool):
 
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_adapter_reloads_with_peft_and_reproduces_the_held_out_loss(runs, domain):
-    from lightning_fsdp_plus.data import InstructionDataModule
+    from lightning_fsdp_plus.app.data import InstructionDataModule
 
     run = runs[domain]
     files = REPO / "examples" / domain / "data"
@@ -101,7 +101,7 @@ def test_adapter_reloads_with_peft_and_reproduces_the_held_out_loss(runs, domain
 def test_sharded_and_reloaded_models_generate_the_same_greedy_tokens(runs, domain):
     from transformers import AutoTokenizer
 
-    from lightning_fsdp_plus.generate import greedy_generate
+    from lightning_fsdp_plus.app.generate import greedy_generate
 
     rows = [json.loads(line) for line in (runs[domain] / "generations.jsonl").open()]
     assert len(rows) == 4 and all(r["generated"] for r in rows)

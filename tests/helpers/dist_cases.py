@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import atexit
 import json
+import os
 from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as FSDP1ShardingStrategy
 from torch.utils.data import DataLoader
 
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
 from lightning_fsdp_plus._dist import barrier, rank
-from lightning_fsdp_plus.lm import CausalLMModule
+from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.accounting import local_bytes
@@ -29,6 +32,7 @@ from lightning_fsdp_plus.quantization import Int8Linear
 from tests.helpers.models import (
     LORA,
     LORA_LLAMA,
+    Block,
     FixedBatches,
     StridedSampler,
     TinyLM,
@@ -58,6 +62,23 @@ CASES: dict[str, dict] = {
     "clip_value": {"strategy": {}, "trainer": {"gradient_clip_val": 0.002, "gradient_clip_algorithm": "value"}},
     "bf16_mixed": {"strategy": {}, "trainer": {"precision": "bf16-mixed"}},
     "bf16_true": {"strategy": {}, "trainer": {"precision": "bf16-true"}},
+    # Lightning FSDPStrategy's arguments, as a project moving from strategy="fsdp" passes them: must train like
+    # bf16_mixed; rank 1 starts from other weights, which sync_module_states replaces by rank 0's
+    "lightning_fsdp_args": {
+        "strategy": {
+            "sharding_strategy": FSDP1ShardingStrategy.FULL_SHARD,
+            "auto_wrap_policy": {Block},
+            "activation_checkpointing_policy": {Block},
+            "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            "cpu_offload": CPUOffload(offload_params=False),
+            "backward_prefetch": BackwardPrefetch.BACKWARD_PRE,
+            "limit_all_gathers": True,
+            "sync_module_states": True,
+            "use_orig_params": True,
+        },
+        "trainer": {"precision": "bf16-mixed"},
+        "perturb_rank1": True,
+    },
     "fp16_mixed_inf": {"strategy": {}, "plugins": "16-mixed", "inject_inf_at": 2},
     "llama_auto": {"strategy": {}, "llama": True, "trainer": {"use_distributed_sampler": True}},
     # LoRA on a Llama, 20 SGD steps on a fixed batch. Replicated: the module applies PEFT itself;
@@ -214,6 +235,10 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader)
     else:
         module = TinyLM(**spec.get("module", {}))
+        if spec.get("perturb_rank1") and os.environ.get("LOCAL_RANK") == "1":
+            with torch.no_grad():
+                for param in module.parameters():
+                    param.add_(0.1)
         trainer.fit(module)
         if start_method != "popen":  # the main process received the trained weights from the workers
             torch.save(module.state_dict(), out / f"{name}.main.pt")

@@ -164,7 +164,7 @@ def train_reference(
 
 def sgd_causal_lm(model: nn.Module, *, lr: float):
     """``CausalLMModule`` with SGD+momentum over trainable parameters, for tight comparisons with references."""
-    from lightning_fsdp_plus.lm import CausalLMModule
+    from lightning_fsdp_plus.app.lm import CausalLMModule
 
     class SGDCausalLM(CausalLMModule):
         def configure_optimizers(self):

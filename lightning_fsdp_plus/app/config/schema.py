@@ -1,16 +1,20 @@
 """Structured configs: the typed, documented schema of every key the ``fsdp-plus-train`` app reads.
 
-One dataclass per concern. They are registered in Hydra's ConfigStore (``config.store``) as the base of
-the YAML presets in ``conf/``, so a typo (``strategy.nosuchkey=1``) or a wrong type
-(``strategy.cpu_offload=maybe``) fails at compose time with the full key path, and enum-like fields list
-their choices. The defaults here are the single source of every default of the app.
+One dataclass per concern; ``StrategySchema`` is derived from ``FSDPPlusOptions``. They are registered in
+Hydra's ConfigStore (``config.store``) as the base of the YAML presets in ``conf/``, so a typo
+(``strategy.nosuchkey=1``) or a wrong type (``strategy.cpu_offload=maybe``) fails at compose time with the full
+key path, and enum-like fields list their choices. The defaults here (and the options') are the app's only ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
+from lightning_fsdp_plus.lora import DEFAULT_TARGETS
+from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.plan import ShardingStrategy
 
 # OmegaConf reads these annotations at runtime (X | None and builtin generics resolve on Python >= 3.10).
@@ -26,56 +30,45 @@ class LoraSchema:
     """Scaling numerator (``lora_alpha``): the update is scaled by ``alpha / r``."""
     dropout: float = 0.05
     """Dropout on the LoRA input (``lora_dropout``)."""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
     """Names of the linear layers to adapt (the last component of their module path)."""
     bias: str = "none"
     """Which biases train: ``none``, ``all`` or ``lora_only`` (PEFT's)."""
 
 
-@dataclass
-class StrategySchema:
-    """Every ``FSDPPlusStrategy`` argument (see its docstring for the full meaning)."""
+def _hydra_field(item: dataclasses.Field) -> tuple[str, Any, Any]:
+    """One options field as an OmegaConf-typed field: primitives (optional or not) keep their type, enums too,
+    tuples become lists, literals strings, ``lora`` the typed LoRA schema, a ``timedelta`` default its seconds;
+    anything richer (policies, modules, callables) is ``Any``."""
+    annotation = str(item.type).replace(" ", "")
+    primitive = {"bool": bool, "int": int, "float": float, "str": str}
+    base, optional = annotation.removesuffix("|None"), annotation.endswith("|None")
+    default = item.default
+    if item.name == "lora":
+        kind: Any = LoraSchema | None
+    elif isinstance(default, timedelta):
+        kind, default = float | None, default.total_seconds()
+    elif base in primitive:
+        kind = primitive[base] | None if optional else primitive[base]
+    elif base == ShardingStrategy.__name__:
+        kind = ShardingStrategy
+    elif base.startswith("Literal["):
+        kind = str
+    elif base.startswith("tuple[str"):
+        return item.name, list[str], field(default_factory=lambda: list(item.default))
+    else:
+        kind = Any
+    return item.name, kind, field(default=default)
 
-    _target_: str = "lightning_fsdp_plus.FSDPPlusStrategy"
-    """The strategy class Hydra instantiates."""
-    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
-    """FULL_SHARD, SHARD_GRAD_OP, NO_SHARD or HYBRID_SHARD."""
-    hybrid_shard_size: int | None = None
-    """Ranks per shard group for HYBRID_SHARD (default: devices per node); must divide the world size."""
-    auto_wrap_policy: Any = "auto"
-    """"auto", a list of module class names, {min_num_params: N}, or null (root only)."""
-    mixed_precision: dict[str, Any] | None = None
-    """Explicit FSDP2 MixedPrecisionPolicy {param_dtype, reduce_dtype, output_dtype, cast_forward_inputs}."""
-    activation_checkpointing: list[str] | None = None
-    """Module class names whose forward is recomputed in backward."""
-    cpu_offload: bool = False
-    """FSDP2 CPUOffloadPolicy (GPU runs)."""
-    forward_prefetch: bool = False
-    """Explicitly prefetch the next unit's all-gather."""
-    lora_only: bool = False
-    """Shard only trainable (LoRA) parameters; replicate the frozen base."""
-    lora: LoraSchema | None = None
-    """LoRA to apply (null: none, or the LightningModule applies PEFT itself)."""
-    quantize_base: str | None = None
-    """null or "int8" (frozen linear layers become LLM.int8 layers)."""
-    quantize_skip: list[str] = field(default_factory=lambda: ["lm_head"])
-    """Layer names or fnmatch path patterns left unquantized."""
-    int8_threshold: float = 6.0
-    """LLM.int8 outlier threshold."""
-    state_dict_type: str = "sharded"
-    """Checkpoint format: sharded (torch.distributed.checkpoint directory) or full (one file from rank 0)."""
-    save_trainable_only: bool | None = None
-    """Leave frozen parameters out of checkpoints (null: when frozen parameters exist)."""
-    use_orig_params: bool = True
-    """Must be true (FSDP2 always keeps original parameters)."""
-    log_grad_norm: bool = True
-    """Log the pre-clip global gradient norm as grad_norm."""
-    start_method: str = "popen"
-    """popen (re-run the script per rank), spawn, fork or forkserver."""
-    process_group_backend: str | None = None
-    """nccl on CUDA, gloo on CPU when null."""
+
+StrategySchema = dataclasses.make_dataclass(
+    "StrategySchema",
+    [("_target_", str, field(default="lightning_fsdp_plus.FSDPPlusStrategy")),
+     *(_hydra_field(f) for f in dataclasses.fields(FSDPPlusOptions))],
+)  # fmt: skip
+StrategySchema.__module__ = __name__
+StrategySchema.__doc__ = """``FSDPPlusStrategy``'s arguments, derived field by field from
+:class:`~lightning_fsdp_plus.options.FSDPPlusOptions` (whose docstrings describe each), plus ``_target_``."""
 
 
 @dataclass
@@ -108,9 +101,9 @@ class ModelSchema:
 
 @dataclass
 class SyntheticDataSchema:
-    """In-memory arithmetic sequences (``lightning_fsdp_plus.data.SyntheticLMDataModule``)."""
+    """In-memory arithmetic sequences (``lightning_fsdp_plus.app.data.SyntheticLMDataModule``)."""
 
-    _target_: str = "lightning_fsdp_plus.data.SyntheticLMDataModule"
+    _target_: str = "lightning_fsdp_plus.app.data.SyntheticLMDataModule"
     """The LightningDataModule class."""
     batch_size: int = 8
     """Sequences per rank per step."""
@@ -130,9 +123,9 @@ class SyntheticDataSchema:
 
 @dataclass
 class InstructionDataSchema:
-    """Instruction datasets (``lightning_fsdp_plus.data.InstructionDataModule``)."""
+    """Instruction datasets (``lightning_fsdp_plus.app.data.InstructionDataModule``)."""
 
-    _target_: str = "lightning_fsdp_plus.data.InstructionDataModule"
+    _target_: str = "lightning_fsdp_plus.app.data.InstructionDataModule"
     """The LightningDataModule class."""
     tokenizer: str = "${model.name_or_path}"
     """Tokenizer directory or hub id; the model's by default."""

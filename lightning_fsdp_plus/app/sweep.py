@@ -1,7 +1,7 @@
 """Sweep summary: one row per job's ``metrics.json``, written as CSV, Markdown and a PNG bar chart.
 
 Runs automatically at the end of a multirun (``SweepSummary``, a Hydra callback set in
-``conf/hydra/default.yaml``) and by hand: ``python -m lightning_fsdp_plus.sweep SWEEP_DIR``.
+``conf/hydra/default.yaml``) and by hand: ``python -m lightning_fsdp_plus.app.sweep SWEEP_DIR``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@
     fsdp-plus-train strategy=lora_int8_replicated trainer.max_steps=100
     fsdp-plus-train model=pretrained model.name_or_path=/models/llama trainer=gpu precision=bf16_mixed
     fsdp-plus-train -m strategy=full_shard,shard_grad_op,no_shard,hybrid_shard   # or: sweep=sharding
-    python -m lightning_fsdp_plus.train --cfg job                                # print the composed config
+    python -m lightning_fsdp_plus.app.train --cfg job                                # print the composed config
 
-Features and the flags that switch them (every key is typed in ``lightning_fsdp_plus.config.schema``):
+Features and the flags that switch them (every key is typed in ``lightning_fsdp_plus.app.config.schema``):
 
 - sharding: ``strategy=`` full_shard | shard_grad_op | no_shard | hybrid_shard | lora_only |
   lora_int8_replicated | lora_int8_sharded, fine-tuned with ``strategy.<arg>=...``;
@@ -16,7 +16,7 @@ Features and the flags that switch them (every key is typed in ``lightning_fsdp_
 - model: ``model=tiny_llama`` (built from a config) or ``model=pretrained model.name_or_path=...``;
 - hardware: ``trainer=cpu|gpu|multi_node``, ``trainer.devices=N``;
 - sweeps: ``-m`` or ``sweep=sharding``: each job launches exactly its own ranks (a fresh
-  ``python -m lightning_fsdp_plus.train`` per job, so Lightning's launcher never re-runs the sweep), and
+  ``python -m lightning_fsdp_plus.app.train`` per job, so Lightning's launcher never re-runs the sweep), and
   the sweep ends with ``sweep_summary.{csv,md,png}`` in the sweep directory.
 
 Each run writes ``metrics.json`` (and checkpoints, logs) into its Hydra run directory; LoRA runs also save
@@ -44,12 +44,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_fsdp_plus._dist import barrier
-from lightning_fsdp_plus.config import register_configs
-from lightning_fsdp_plus.config.validate import ConfigError, validate_run_config
-from lightning_fsdp_plus.generate import greedy_generate
+from lightning_fsdp_plus.app.config import register_configs
+from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_config
+from lightning_fsdp_plus.app.generate import greedy_generate
+from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
-from lightning_fsdp_plus.metrics import RunMetrics
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
 
 METRICS_FILE = "metrics.json"
@@ -58,7 +58,7 @@ GENERATIONS_FILE = "generations.jsonl"
 
 def build_module(model_cfg: DictConfig) -> Any:
     """The LightningModule: ``_target_`` with ``kwargs``, else ``CausalLMModule`` around a transformers LM."""
-    from lightning_fsdp_plus.lm import CausalLMModule, build_causal_lm
+    from lightning_fsdp_plus.app.lm import CausalLMModule, build_causal_lm
 
     if model_cfg.get("_target_"):
         return instantiate({"_target_": model_cfg._target_, **model_cfg.kwargs}, _convert_="all")
@@ -160,7 +160,7 @@ def run_job_in_subprocess() -> dict[str, Any]:
     """
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
-    command = [sys.executable, "-m", "lightning_fsdp_plus.train", f"--config-name={hydra_cfg.job.config_name}"]
+    command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", f"--config-name={hydra_cfg.job.config_name}"]
     command += [f"--config-dir={s.path}" for s in hydra_cfg.runtime.config_sources if s.provider == "command-line"]
     command += [
         *hydra_cfg.overrides.task,

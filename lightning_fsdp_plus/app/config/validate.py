@@ -9,11 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp_plus.plan import check_hybrid_shard_size
+from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.precision import check_precision
-from lightning_fsdp_plus.quantization import check_quantize_base
-
-START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class ConfigError(ValueError):
@@ -58,6 +55,18 @@ def check_model(model: Any) -> None:
             )
 
 
+def strategy_options(strategy: Any) -> FSDPPlusOptions:
+    """The strategy node as ``FSDPPlusOptions`` (the options' own validation, keys prefixed ``strategy.``)."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(strategy, resolve=True) if OmegaConf.is_config(strategy) else dict(strategy)
+    values.pop("_target_", None)
+    try:
+        return FSDPPlusOptions(**values)
+    except (ValueError, ImportError) as err:
+        raise ConfigError(f"strategy.{err}") from None
+
+
 def validate_run_config(cfg: Any) -> None:
     """Raise ConfigError for the first problem found in a composed ``RunSchema`` config."""
     trainer, strategy = cfg.trainer, cfg.strategy
@@ -68,18 +77,14 @@ def validate_run_config(cfg: Any) -> None:
         raise ConfigError(
             f"trainer.gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not one of norm, value"
         )
-    if strategy.start_method not in START_METHODS:
-        raise ConfigError(f"strategy.start_method={strategy.start_method!r} is not one of {', '.join(START_METHODS)}")
-    if strategy.hybrid_shard_size is not None and per_node is not None:
+    options = strategy_options(strategy)
+    if per_node is not None:
         try:
-            check_hybrid_shard_size(
-                hybrid_shard_size=strategy.hybrid_shard_size, world_size=per_node * trainer.num_nodes
-            )
+            options.mesh_layout(world_size=per_node * trainer.num_nodes, devices_per_node=per_node)
         except ValueError as err:
             raise ConfigError(f"strategy.{err} (trainer.devices x trainer.num_nodes)") from None
     try:
         check_precision(cfg.precision.name, device_type=_device_type(trainer.accelerator), key="precision.name")
-        check_quantize_base(strategy.quantize_base, key="strategy.quantize_base")
     except ValueError as err:
         raise ConfigError(str(err)) from None
     check_model(cfg.model)

@@ -1,6 +1,6 @@
 """Structured configs (schemas) and their ConfigStore registration."""
 
-from lightning_fsdp_plus.config.schema import (
+from lightning_fsdp_plus.app.config.schema import (
     GenerateSchema,
     InstructionDataSchema,
     LoraSchema,
@@ -11,7 +11,7 @@ from lightning_fsdp_plus.config.schema import (
     SyntheticDataSchema,
     TrainerSchema,
 )
-from lightning_fsdp_plus.config.store import RUN_SCHEMA, register_configs
+from lightning_fsdp_plus.app.config.store import RUN_SCHEMA, register_configs
 
 __all__ = [
     "RUN_SCHEMA",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
 
-from lightning_fsdp_plus.config.schema import InstructionDataSchema, RunSchema, SyntheticDataSchema
+from lightning_fsdp_plus.app.config.schema import InstructionDataSchema, RunSchema, SyntheticDataSchema
 
 RUN_SCHEMA = "fsdp_plus_run_schema"
 """ConfigStore name of the run schema; ``conf/config.yaml`` lists it first in its defaults."""

@@ -12,9 +12,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-oldest}
 TORCH=${TORCH:-2.13.0}
-QUICK=(tests/test_options.py tests/test_compat.py tests/test_strategy.py tests/test_plan.py tests/test_policies.py
-       tests/test_precision.py tests/test_lora.py tests/quantization tests/memory/test_estimate.py
-       tests/test_strategy_distributed.py tests/test_imports.py)
+QUICK=(tests/config tests/test_train_app.py tests/test_data.py tests/test_sweep.py tests/test_options.py
+       tests/test_compat.py tests/test_strategy.py tests/test_plan.py tests/test_policies.py tests/test_precision.py
+       tests/test_lora.py tests/quantization tests/memory/test_estimate.py tests/test_strategy_distributed.py
+       tests/test_imports.py)
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 pins=$(python3 - <<'PY'
 import re, tomllib
@@ -28,7 +29,7 @@ PY
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q "torch==$TORCH"
 # shellcheck disable=SC2086
-"$VENV/bin/python" -m pip install -q $pins ${OLDEST:-} "hydra-core==1.3.2" "datasets==2.19.0" "matplotlib==3.8.0" \
+"$VENV/bin/python" -m pip install -q $pins ${OLDEST:-} "hydra-core==1.3.2" "datasets==2.19.0" "matplotlib==3.9.0" \
     pytest "torch==$TORCH"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -m pip list 2>/dev/null | grep -iE "^(torch|lightning|transformers|peft|bitsandbytes|safetensors) "

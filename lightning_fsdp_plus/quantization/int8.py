@@ -31,7 +31,7 @@ def require_bitsandbytes(*, key: str = "quantize_base") -> None:
     except Exception as err:  # bitsandbytes can fail at import with errors other than ImportError
         raise ImportError(
             f"{key}='int8' needs bitsandbytes (LLM.int8 kernels), which could not be imported: {err}."
-            " Install it with: pip install 'bitsandbytes>=0.45'"
+            " Install it with: pip install 'bitsandbytes>=0.48'"
         ) from err
 
 

@@ -24,7 +24,13 @@ from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
 from lightning_fsdp_plus.policies import resolve_module_classes, select_unit_paths
 from lightning_fsdp_plus.precision import mixed_precision_policy
-from lightning_fsdp_plus.quantization import Int8Linear, convert_to_int8, int8_candidates
+from lightning_fsdp_plus.quantization import (
+    QUANTIZABLE,
+    Int8Linear,
+    convert_to_int8,
+    frozen_layer_types,
+    int8_candidates,
+)
 from lightning_fsdp_plus.sharding import apply_sharding_plan
 
 
@@ -37,8 +43,10 @@ def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
     already = any(isinstance(m, Int8Linear) for m in model.modules())
     if options.quantize_base == "int8" and not already and not int8_candidates(model, skip=options.quantize_skip):
         raise ValueError(
-            "quantize_base='int8' found no frozen nn.Linear outside LoRA adapters and quantize_skip="
-            f"{list(options.quantize_skip)}; freeze the base (e.g. apply LoRA) or set quantize_base=None"
+            f"quantize_base='int8' found no frozen layer it converts ({', '.join(QUANTIZABLE)}) outside LoRA adapters"
+            f" and quantize_skip={list(options.quantize_skip)}; layer types with frozen weights here:"
+            f" {frozen_layer_types(model) or 'none (nothing is frozen)'}. Freeze the base (e.g. apply LoRA) or set"
+            " quantize_base=None"
         )
 
 

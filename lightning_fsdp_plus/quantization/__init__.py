@@ -1,15 +1,24 @@
 """8-bit base weights that FSDP2 can shard."""
 
-from lightning_fsdp_plus.quantization.int8 import Int8Linear, convert_to_int8, int8_candidates, require_bitsandbytes
+from lightning_fsdp_plus.quantization.int8 import (
+    QUANTIZABLE,
+    Int8Linear,
+    convert_to_int8,
+    frozen_layer_types,
+    int8_candidates,
+    require_bitsandbytes,
+)
 
 QUANTIZE_CHOICES = ("int8",)
 """Values ``quantize_base`` accepts (besides ``None``)."""
 
 __all__ = [
+    "QUANTIZABLE",
     "QUANTIZE_CHOICES",
     "Int8Linear",
     "check_quantize_base",
     "convert_to_int8",
+    "frozen_layer_types",
     "int8_candidates",
     "require_bitsandbytes",
 ]

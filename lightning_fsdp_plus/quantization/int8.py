@@ -127,6 +127,19 @@ class Int8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
+    def from_conv1d(cls, conv: nn.Module, *, threshold: float = 6.0) -> Int8Linear:
+        """Quantize a transformers ``Conv1D`` (GPT-2 style: ``weight [in, out]``, ``y = x @ weight + bias``).
+
+        The result holds the weight transposed, as ``nn.Linear`` does, and computes the same function.
+        """
+        weight = conv.weight.detach()
+        linear = nn.Linear(weight.shape[0], weight.shape[1], bias=conv.bias is not None, device="meta")
+        linear.weight = nn.Parameter(weight.t(), requires_grad=False)
+        linear.bias = None if conv.bias is None else nn.Parameter(conv.bias.detach(), requires_grad=False)
+        return cls.from_linear(linear, threshold=threshold)
+
+    @classmethod
+    @torch.no_grad()
     def from_bnb(cls, layer: nn.Module) -> Int8Linear:
         """Convert a quantized ``bnb.nn.Linear8bitLt`` (e.g. from ``load_in_8bit=True``) losslessly."""
         state = layer.state
@@ -161,22 +174,39 @@ def _is_bnb_int8(module: nn.Module) -> bool:
     return isinstance(module, Linear8bitLt)
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2, GPT-J's predecessors, ...): a linear layer with a transposed weight."""
+    from transformers.pytorch_utils import Conv1D
+
+    return type(module) is Conv1D
+
+
+QUANTIZABLE = ("nn.Linear", "transformers Conv1D", "bitsandbytes Linear8bitLt")
+"""The layer types ``quantize_base="int8"`` converts (when frozen)."""
+
+
 def int8_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:
     """Paths ``convert_to_int8`` would convert.
 
-    Every ``nn.Linear`` whose parameters are all frozen, and every bitsandbytes ``Linear8bitLt``, unless it
-    is a LoRA adapter (``lora_`` in its path) or its path or name matches a ``skip`` pattern
-    (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.down_proj"``).
+    Every ``nn.Linear`` and transformers ``Conv1D`` whose parameters are all frozen, and every bitsandbytes
+    ``Linear8bitLt``, unless it is a LoRA adapter (``lora_`` in its path) or its path or name matches a ``skip``
+    pattern (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.down_proj"``).
     """
     paths = []
     for path, module in model.named_modules():
         if not path or any(part.startswith("lora_") for part in path.split(".")) or _skipped(path, skip):
             continue
-        if _is_bnb_int8(module) or (
-            type(module) is nn.Linear and not any(p.requires_grad for p in module.parameters())
-        ):
+        float_layer = type(module) is nn.Linear or _is_conv1d(module)
+        if _is_bnb_int8(module) or (float_layer and not any(p.requires_grad for p in module.parameters())):
             paths.append(path)
     return paths
+
+
+def frozen_layer_types(model: nn.Module) -> list[str]:
+    """Class names of the modules that hold frozen parameters of their own (for errors that find nothing)."""
+    return sorted(
+        {type(m).__name__ for m in model.modules() if any(not p.requires_grad for p in m.parameters(recurse=False))}
+    )
 
 
 def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), threshold: float = 6.0) -> list[str]:
@@ -193,8 +223,12 @@ def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), thr
             replacement = Int8Linear.from_bnb(module)
         elif module.weight.is_meta:
             bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
-            replacement = Int8Linear(module.in_features, module.out_features, module.bias is not None,
+            # nn.Linear holds [out, in], Conv1D [in, out]
+            in_features, out_features = module.weight.shape if _is_conv1d(module) else module.weight.shape[::-1]
+            replacement = Int8Linear(in_features, out_features, module.bias is not None,
                                      threshold=threshold, bias_dtype=bias_dtype, device="meta")  # fmt: skip
+        elif _is_conv1d(module):
+            replacement = Int8Linear.from_conv1d(module, threshold=threshold)
         else:
             replacement = Int8Linear.from_linear(module, threshold=threshold)
         replacement.train(module.training)  # eval layers use bitsandbytes' int8 matmul, training ones dequantize

@@ -127,3 +127,64 @@ def test_model_loaded_by_transformers_in_8bit_converts_losslessly(tmp_path):
         after = loaded(input_ids=probe).logits
     assert set(converted) == bnb_layers
     torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    return GPT2LMHeadModel(config).eval().requires_grad_(False)
+
+
+def test_gpt2_conv1d_layers_become_int8_and_compute_what_linear8bitlt_computes():
+    from transformers.pytorch_utils import Conv1D
+
+    model = _tiny_gpt2()
+    conv = model.transformer.h[0].attn.c_attn  # weight [in=32, out=96]: not square, a transpose would show
+    linear = nn.Linear(32, 96)
+    linear.load_state_dict({"weight": conv.weight.t(), "bias": conv.bias})
+    reference = bnb.nn.Linear8bitLt(32, 96, has_fp16_weights=False, threshold=6.0)
+    reference.load_state_dict(linear.state_dict())
+    reference = reference.to("cpu").eval()
+    x = torch.randn(2, 5, 32)
+    expected = reference(x)
+
+    converted = convert_to_int8(model)
+    conv_paths = [f"transformer.h.{i}.{name}" for i in range(2) for name in ("attn.c_attn", "attn.c_proj",
+                                                                              "mlp.c_fc", "mlp.c_proj")]  # fmt: skip
+    assert sorted(converted) == sorted(conv_paths)  # lm_head (skipped by default) stays float
+    assert not any(isinstance(m, Conv1D) for m in model.modules())
+    ours = model.transformer.h[0].attn.c_attn
+    assert isinstance(ours, Int8Linear) and (ours.in_features, ours.out_features) == (32, 96)
+    torch.testing.assert_close(ours.eval()(x), expected, rtol=0, atol=0)
+
+
+def test_gpt2_in_int8_predicts_like_the_float_model():
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = _tiny_gpt2()
+    float_logits = model(tokens).logits
+    convert_to_int8(model)
+    int8_logits = model(tokens).logits
+    assert (int8_logits - float_logits).abs().max().item() < 0.05 * float_logits.abs().max().item()
+
+
+def test_conv1d_on_meta_becomes_an_empty_int8_layer_of_the_same_shape():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    model.requires_grad_(False)
+    convert_to_int8(model)
+    layer = model.transformer.h[0].mlp.c_fc  # Conv1D(nf=128, nx=32)
+    assert isinstance(layer, Int8Linear) and layer.weight.is_meta and tuple(layer.weight.shape) == (128, 32)
+
+
+def test_when_nothing_matches_the_error_lists_the_frozen_layer_types():
+    from lightning_fsdp_plus.options import FSDPPlusOptions
+    from lightning_fsdp_plus.pipeline import prepare_model
+
+    options = FSDPPlusOptions(quantize_base="int8", quantize_skip=["c_*", "lm_head"])
+    with pytest.raises(ValueError, match=r"layer types with frozen weights here: \['Conv1D', 'Embedding', 'LayerNorm', "
+                                         r"'Linear'\]"):  # fmt: skip
+        prepare_model(_tiny_gpt2(), options)

@@ -8,8 +8,10 @@ import datasets
 import pytest
 
 from lightning_fsdp_plus.app.data import (
+    DataError,
     InstructionDataModule,
     PadCollator,
+    check_instruction_file,
     load_records,
     pack,
     render_prompt,
@@ -90,3 +92,51 @@ def test_module_batches_and_generation_prompts(module):
     prompts = module.generation_prompts(2)
     first = json.loads(VAL.read_text().splitlines()[0])
     assert prompts[0] == {"prompt": render_prompt(first), "reference": first["response"]}
+
+
+def _write(path, lines):
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (['{"instruction": "a", "response": "b"}', "", '{"instruction": "c"}'],
+         r"bad.jsonl:3: missing field 'response'; expected fields: instruction, response \(required\), input "
+         r"\(optional\); this record has: \['instruction'\]"),
+        (['{"instruction": "a", "response": "b"}', '{"instruction": "c", "response": "d",}'],
+         r"bad.jsonl:2: not a JSON object \(Expecting property name enclosed in double quotes at column 38\)"),
+        (['["a", "b"]'], r"bad.jsonl:1: a record must be a JSON object, got list"),
+    ],
+)  # fmt: skip
+def test_bad_jsonl_records_are_named_by_file_and_line_with_the_expected_fields(tmp_path, lines, message):
+    bad = _write(tmp_path / "bad.jsonl", lines)
+    with pytest.raises(DataError, match=message):
+        check_instruction_file(bad)
+    with pytest.raises(DataError, match=message):  # the data module says the same, not KeyError('response')
+        InstructionDataModule(tokenizer=TOKENIZER, train_files=[str(bad)], val_files=[str(VAL)])
+
+
+def test_other_formats_name_the_record_number(tmp_path):
+    bad = _write(tmp_path / "bad.csv", ["instruction,response", "a,b", "c,"])
+    with pytest.raises(DataError, match=r"bad.csv: record 2: missing field 'response'"):
+        check_instruction_file(bad)
+
+
+def test_the_app_refuses_a_bad_data_file_before_any_process_starts(tmp_path):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from lightning_fsdp_plus.app.config import register_configs
+    from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_config
+
+    bad = _write(tmp_path / "train.jsonl", ['{"instruction": "a", "response": "b"}', '{"instruction": "c"}'])
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module("lightning_fsdp_plus.conf", version_base="1.3"):
+        cfg = compose("config", overrides=["data=instruction", f"data.train_files=[{bad}]",
+                                           f"data.val_files=[{VAL}]", f"data.tokenizer={TOKENIZER}"])  # fmt: skip
+    GlobalHydra.instance().clear()
+    with pytest.raises(ConfigError, match=r"data.train_files: .*train.jsonl:2: missing field 'response'"):
+        validate_run_config(cfg)

@@ -7,6 +7,7 @@ masks the prompt out of the loss (labels -100), and optionally packs examples in
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,47 @@ PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 """Alpaca-style prompt for examples with an input."""
 _BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+REQUIRED_FIELDS = ("instruction", "response")
+"""Fields every instruction record must have (non-empty)."""
+OPTIONAL_FIELDS = ("input",)
+"""Fields an instruction record may have."""
+
+
+class DataError(ValueError):
+    """A data file the run cannot use, with the file and the line (JSONL) or record number."""
+
+
+def _check_record(record: Any, *, where: str) -> None:
+    expected = (f"expected fields: {', '.join(REQUIRED_FIELDS)} (required), {', '.join(OPTIONAL_FIELDS)}"
+                " (optional)")  # fmt: skip
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}; {expected}")
+    missing = [f for f in REQUIRED_FIELDS if record.get(f) is None or record.get(f) == ""]
+    if missing:
+        raise DataError(
+            f"{where}: missing field {missing[0]!r}; {expected}; this record has: {sorted(record) or 'no fields'}"
+        )
+
+
+def check_instruction_file(path: str | Path) -> None:
+    """Raise DataError for the first record of ``path`` that is not ``{instruction, input?, response}``.
+
+    JSONL errors name the line (``file:line``, also for lines that are not JSON); other formats the record number.
+    """
+    path = Path(path)
+    if path.suffix.lower() != ".jsonl":
+        for number, record in enumerate(load_records(files=[str(path)]), 1):
+            _check_record(record, where=f"{path}: record {number}")
+        return
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path}:{number}: not a JSON object ({err.msg} at column {err.colno})") from None
+            _check_record(record, where=f"{path}:{number}")
 
 
 class ArithmeticSequences(Dataset):
@@ -196,6 +238,8 @@ class InstructionDataModule(LightningDataModule):
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.batch_size, self.num_workers = batch_size, num_workers
+        for file in [*(train_files or []), *(val_files or [])]:
+            check_instruction_file(file)
         self.train_records = load_records(files=train_files, dataset_name=dataset_name, split=train_split)
         self.val_records = load_records(files=val_files, dataset_name=dataset_name, split=val_split)
         encode = lambda r: tokenize_example(r, self.tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)  # noqa: E731

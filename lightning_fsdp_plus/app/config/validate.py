@@ -92,8 +92,17 @@ def validate_run_config(cfg: Any) -> None:
 
 
 def check_data_files(data: Any) -> None:
-    """Every listed data file exists (relative paths are relative to the working directory)."""
+    """Every listed data file exists (relative paths are relative to the working directory); instruction data
+    files hold ``{instruction, input?, response}`` records (the first bad one is named with its line)."""
+    from lightning_fsdp_plus.app.data import DataError, check_instruction_file
+
+    instruction = str(data.get("_target_", "")).endswith("InstructionDataModule")
     for key in ("train_files", "val_files"):
         missing = [f for f in (data.get(key) or []) if not Path(str(f)).expanduser().is_file()]
         if missing:
             raise ConfigError(f"data.{key}: {missing} not found (relative to {Path.cwd()})")
+        for file in (data.get(key) or []) if instruction else []:
+            try:
+                check_instruction_file(Path(str(file)).expanduser())
+            except DataError as err:
+                raise ConfigError(f"data.{key}: {err}") from None

@@ -40,6 +40,7 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
@@ -48,6 +49,7 @@ from lightning_fsdp_plus.app.config import register_configs
 from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_config
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
+from lightning_fsdp_plus.app.progress import progress_bar
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
@@ -85,6 +87,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     run_metrics = RunMetrics(warmup_steps=cfg.warmup_steps_for_timing)
     trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
     callbacks = _instantiate_all(cfg.callbacks)
+    if trainer_kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
+        callbacks.append(progress_bar())  # Lightning's default reads "Epoch 0/-2" under max_steps
     monitor = next(iter_monitors(callbacks), None) or MemoryMonitor(log_every_n_steps=0)  # feeds metrics.json
     trainer = Trainer(
         **trainer_kwargs,

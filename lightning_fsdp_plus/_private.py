@@ -11,6 +11,8 @@ Lightning (2.6.6):
 - ``_materialize_distributed_module``, ``_optimizers_to_device``: meta tensors made real, optimizer state moved;
 - ``_DtypeContextManager``: the estimator builds its meta model in a dtype;
 - ``_collect_rng_states``, ``_set_rng_states``: per-rank RNG in checkpoints;
+- ``_init_dist_connection``, ``reset_seed`` and ``ModelParallelStrategy``'s members that ``FSDPPlusStrategy``
+  reuses (process group start, barrier, broadcast, ...; see the strategy);
 - ``_distributed_checkpoint_save``, ``_METADATA_FILENAME``, ``_is_sharded_checkpoint``: Lightning's sharded
   checkpoint layout, which ours keeps;
 - ``FSDPPrecision._desired_input_dtype`` (set by ``FSDPPlusPrecision``, which skips ``FSDPPrecision.__init__``)
@@ -34,9 +36,10 @@ from typing import Any
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save, _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
@@ -49,6 +52,7 @@ __all__ = [
     "_collect_rng_states",
     "_convert_fp_tensor",
     "_distributed_checkpoint_save",
+    "_init_dist_connection",
     "_is_sharded_checkpoint",
     "_materialize_distributed_module",
     "_optimizers_to_device",
@@ -61,6 +65,7 @@ __all__ = [
     "fsdp1_recursive_wrap",
     "fsdp2_mem_tracker",
     "fsdp_param_records",
+    "reset_seed",
     "sharded_state",
 ]
 

@@ -8,10 +8,16 @@ Layout of a sharded checkpoint directory ``PATH``:
 - ``rng_rank<R>.pt``: every rank's RNG states (torch, CUDA, numpy, python);
 - ``manifest.json``: size and SHA-256 of every file, checked before anything is read.
 
-A full checkpoint is one file: the same content with the model and optimizer state consolidated on rank 0.
+A full checkpoint is one file, a standard Lightning checkpoint: the model and optimizer state consolidated on
+rank 0, the optimizer state keyed by parameter ids as ``torch.optim.Optimizer.state_dict`` keys it (so DDP or a
+single device resume it), with a ``PATH.sha256`` sidecar. Loading accepts plain Lightning checkpoints too: files
+without a sidecar, Lightning's sharded directories without a manifest; what is there is verified.
 
 Saving writes into a temporary sibling (``.fsdp_plus_tmp-<id>.PATH``) and renames it into place only after every
-rank has finished, so the previous checkpoint at ``PATH`` stays valid until the new one is complete.
+rank has finished, so the previous checkpoint at ``PATH`` stays valid until the new one is complete. Saving over
+an existing path follows Lightning's ``ModelParallelStrategy``: a sharded checkpoint replaces a file or goes into
+an existing folder (files in it that are not checkpoint files are kept, moved into the new folder); a full one
+replaces a file or a sharded checkpoint, and refuses a folder that is not a checkpoint. Nothing else is deleted.
 With ``trainable_only`` the frozen parameters (the base, int8 included) are not written; on resume they come
 from the model the LightningModule builds again.
 """
@@ -69,6 +75,19 @@ def _describe(paths: Sequence[Path], root: Path) -> dict[str, dict[str, Any]]:
     return {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in paths}
 
 
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file name inside a checkpoint directory is one of its files (ours or Lightning's)."""
+    return (name in (MANIFEST, META, ".metadata") or name.endswith(".distcp")
+            or (name.startswith("rng_rank") and name.endswith(".pt")))  # fmt: skip
+
+
+def foreign_entries(path: Path) -> list[Path]:
+    """What a directory at a checkpoint's path holds besides checkpoint files (kept when it is overwritten)."""
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.iterdir() if not (p.is_file() and is_checkpoint_file(p.name)))
+
+
 def temporary_sibling(path: Path) -> Path:
     """A fresh temporary path next to ``path`` (same file system, so the final rename is atomic)."""
     # a hidden prefix, so that globs such as ModelCheckpoint's "last*" never pick a half-written one
@@ -76,14 +95,25 @@ def temporary_sibling(path: Path) -> Path:
 
 
 def commit(tmp: Path, path: Path) -> None:
-    """Move a finished ``tmp`` into place; an older checkpoint at ``path`` is removed only afterwards."""
+    """Move a finished ``tmp`` into place; an older checkpoint at ``path`` is removed only afterwards.
+
+    When both are directories, entries of the old one that are not checkpoint files move into the new one
+    (until then they wait in the hidden ``.fsdp_plus_old-*`` sibling: a crash loses nothing).
+    """
     old = None
     if path.exists():
         old = path.with_name(f".fsdp_plus_old-{uuid.uuid4().hex[:8]}.{path.name}")
         os.replace(path, old)
     os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
+    if old is None:
+        return
+    if old.is_dir():
+        if path.is_dir():
+            for entry in foreign_entries(old):
+                os.replace(entry, path / entry.name)
+        shutil.rmtree(old)
+    else:
+        old.unlink()
 
 
 def collect_rng_states() -> dict[str, Any]:
@@ -114,6 +144,7 @@ def save_sharded(
     path = Path(path)
     tmp = Path(broadcast_object(str(temporary_sibling(path))))
     tmp.mkdir(parents=True, exist_ok=True)
+    stale_sidecar = sidecar_path(path)  # a full checkpoint's, when a file at path is replaced
     state = {"state_dict": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optimizer_states)}}
     _distributed_checkpoint_save(state, tmp)  # Lightning's ModelParallelStrategy layout, in a temporary sibling
     me = rank()
@@ -129,19 +160,38 @@ def save_sharded(
     if me == 0:
         files = {name: info for part in described for name, info in part.items()}
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1))
+        if path.is_file() and stale_sidecar.is_file():
+            stale_sidecar.unlink()
         commit(tmp, path)
     barrier()
     return path
 
 
+def sidecar_path(path: Path) -> Path:
+    """The SHA-256 sidecar of a full checkpoint file."""
+    return path.with_name(path.name + ".sha256")
+
+
 def verify(path: str | Path) -> None:
-    """Raise CheckpointError naming the first missing, truncated or corrupted file of a checkpoint."""
+    """Raise CheckpointError naming the first missing, truncated or corrupted file of a checkpoint.
+
+    Checks what the checkpoint carries: a file's ``.sha256`` sidecar, a directory's manifest. Lightning's own
+    checkpoints have neither and pass as they are; a path that is neither a file nor a sharded checkpoint
+    directory is an error.
+    """
     path = Path(path)
     if path.is_file():
         return _verify_file(path)
+    if not is_sharded_checkpoint(path):
+        raise CheckpointError(
+            f"checkpoint {path} does not point to a valid checkpoint: expected a checkpoint file or a directory with"
+            f" {META} ({'an empty or other directory' if path.is_dir() else 'nothing is there'})"
+        )
     manifest = path / MANIFEST
     if not manifest.is_file():
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete or not an fsdp_plus checkpoint)")
+        if any(path.glob("rng_rank*.pt")):  # our layout: the manifest is written with it, so it was removed
+            raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (an fsdp_plus checkpoint, altered?)")
+        return None  # Lightning's sharded layout (ModelParallelStrategy / FSDPStrategy) has no manifest
     try:
         files = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as err:
@@ -161,9 +211,9 @@ def verify(path: str | Path) -> None:
 
 
 def _verify_file(path: Path) -> None:
-    sidecar = path.with_name(path.name + ".sha256")
+    sidecar = sidecar_path(path)
     if not sidecar.is_file():
-        raise CheckpointError(f"checkpoint {path}: {sidecar.name} is missing (incomplete save?)")
+        return  # a plain Lightning checkpoint (DDP, single device); ours are renamed into place complete
     if _sha256(path) != sidecar.read_text().split()[0]:
         raise CheckpointError(f"checkpoint {path}: file {path} is truncated or corrupted (SHA-256 mismatch)")
 
@@ -214,18 +264,43 @@ def _load_meta(path: Path) -> dict[str, Any]:
         ) from err
 
 
+def check_full_target(path: Path) -> None:
+    """Raise IsADirectoryError when a full checkpoint cannot replace what is at ``path`` without losing files."""
+    if not path.is_dir():
+        return
+    if not is_sharded_checkpoint(path):
+        raise IsADirectoryError(
+            f"The checkpoint path exists and is a directory: {path}; a full checkpoint (state_dict_type='full') is"
+            " one file: choose a file path, or state_dict_type='sharded' to write into this folder"
+        )
+    foreign = foreign_entries(path)
+    if foreign:
+        raise IsADirectoryError(
+            f"The checkpoint path {path} is a sharded checkpoint that also holds other files"
+            f" ({', '.join(p.name for p in foreign[:5])}); a full checkpoint replacing it would delete them:"
+            " move them or choose another path"
+        )
+
+
 def save_full(path: str | Path, *, checkpoint: dict[str, Any]) -> Path:
-    """Write one consolidated file on rank 0 (atomically, with a SHA-256 sidecar); call on every rank."""
+    """Write one consolidated file on rank 0 (atomically, with a SHA-256 sidecar); call on every rank.
+
+    A sharded checkpoint at ``path`` is replaced; any other directory is refused (:func:`check_full_target`).
+    """
     path = Path(path)
+    check_full_target(path)
     if rank() == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = temporary_sibling(path)
         torch.save({**checkpoint, "fsdp_plus_format": FORMAT_VERSION}, tmp)
-        digest = _sha256(tmp)
-        sidecar_tmp = temporary_sibling(path.with_name(path.name + ".sha256"))
-        sidecar_tmp.write_text(f"{digest}  {path.name}\n")
+        sidecar = sidecar_path(path)
+        sidecar_tmp = temporary_sibling(sidecar)
+        sidecar_tmp.write_text(f"{_sha256(tmp)}  {path.name}\n")
+        # old sidecar first: a crash in between leaves a complete file with no sidecar (accepted), never a
+        # complete file with the previous file's digest (refused)
+        sidecar.unlink(missing_ok=True)
         commit(tmp, path)
-        commit(sidecar_tmp, path.with_name(path.name + ".sha256"))
+        commit(sidecar_tmp, sidecar)
     barrier()
     return path
 
@@ -235,7 +310,8 @@ def load_full(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     verify(path)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        # memory-mapped: tensors are read when they are copied into the shards, not all at once
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         raise CheckpointError(f"checkpoint {path}: file {path} could not be read: {err}") from err
 
@@ -243,3 +319,48 @@ def load_full(path: str | Path) -> dict[str, Any]:
 def is_sharded_checkpoint(path: str | Path) -> bool:
     """A sharded checkpoint directory (ours, or Lightning's ``ModelParallelStrategy``/``FSDPStrategy`` one)."""
     return _is_sharded_checkpoint(Path(path))
+
+
+def optimizer_state_by_ids(state: dict[str, Any]) -> dict[str, Any]:
+    """A state from ``get_optimizer_state_dict`` (keyed by parameter names) in torch's standard layout.
+
+    Ids number the parameters in ``param_groups`` order, as ``torch.optim.Optimizer.state_dict`` numbers them, so
+    ``optimizer.load_state_dict`` (DDP, single device) reads the result. Empty states (ranks > 0) pass as they are.
+    """
+    if not state or "param_groups" not in state:
+        return state
+    ids: dict[Any, int] = {}
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({**group, "params": [ids.setdefault(name, len(ids)) for name in group["params"]]})
+    return {**state, "state": {ids[name]: value for name, value in state["state"].items()}, "param_groups": groups}
+
+
+def optimizer_state_by_names(state: dict[str, Any], *, names: Sequence[str]) -> dict[str, Any]:
+    """The inverse of :func:`optimizer_state_by_ids`: ids become ``names`` (the optimizer's parameters in
+    ``param_groups`` order). A state already keyed by names passes as it is."""
+    groups = state.get("param_groups", [])
+    ids = [i for group in groups for i in group["params"]]
+    if not ids or not all(isinstance(i, int) for i in ids):
+        return state
+    if len(ids) != len(names):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(ids)} parameters, this one {len(names)}: it was saved for another"
+            " model or another set of trainable parameters"
+        )
+    by_id = {i: names[position] for position, i in enumerate(ids)}
+    return {
+        **state,
+        "state": {by_id[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [by_id[i] for i in group["params"]]} for group in groups],
+    }
+
+
+def check_optimizer_count(*, configured: int, saved: int) -> None:
+    """Lightning's rule: a checkpoint restores exactly the optimizers the module configures."""
+    if configured != saved:
+        raise RuntimeError(
+            f"You have configured {configured} optimizers but the checkpoint contains {saved} optimizers to load."
+            " Please resume training with the same number of optimizers or edit the checkpoint manually to remove"
+            " states."
+        )

@@ -280,7 +280,12 @@ def arguments_docstring() -> str:
     docs = field_docs()
     lines = ["Arguments:"]
     for item in dataclasses.fields(FSDPPlusOptions):
-        text = textwrap.fill(f"{item.name}: {docs.get(item.name, '')}", width=112, subsequent_indent="        ",
-                             break_on_hyphens=False, break_long_words=False)
+        text = textwrap.fill(
+            f"{item.name}: {docs.get(item.name, '')}",
+            width=112,
+            subsequent_indent="        ",
+            break_on_hyphens=False,
+            break_long_words=False,
+        )
         lines.append(f"    {text}")
     return "\n".join(lines)

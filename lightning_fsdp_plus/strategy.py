@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -21,11 +21,19 @@ from typing_extensions import override
 
 from lightning_fsdp_plus import compat
 from lightning_fsdp_plus._dist import shutdown
-from lightning_fsdp_plus._private import _optimizers_to_device, _SubprocessScriptLauncher
+from lightning_fsdp_plus._private import (
+    _init_dist_connection,
+    _optimizers_to_device,
+    _SubprocessScriptLauncher,
+    reset_seed,
+)
 from lightning_fsdp_plus.checkpoint import (
+    check_optimizer_count,
     is_sharded_checkpoint,
     load_full,
     load_sharded,
+    optimizer_state_by_ids,
+    optimizer_state_by_names,
     save_full,
     save_sharded,
     state_dict_options,
@@ -47,7 +55,7 @@ OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
 _UNSET: Any = object()
 
 
-class FSDPPlusStrategy(ModelParallelStrategy):
+class FSDPPlusStrategy(ParallelStrategy):
     """Fully Sharded Data Parallel on FSDP2 (``fully_shard``) with no hand-written sharding code.
 
     Runs on CPU (gloo) and CUDA (nccl). The model is sharded in ``setup`` by the preparation pipeline
@@ -56,6 +64,10 @@ class FSDPPlusStrategy(ModelParallelStrategy):
     (pass ``options=`` to give them as one object); the arguments of Lightning's ``FSDPStrategy`` are accepted
     too, mapped onto FSDP2 (:mod:`~lightning_fsdp_plus.compat`). Option values read as attributes:
     ``strategy.sharding_strategy``, ``strategy.lora``, ...
+
+    It shares Lightning's ``ModelParallelStrategy`` process handling (the members assigned from it below) but is
+    not a subclass: Lightning refuses ``precision="16-mixed"`` for any ``ModelParallelStrategy`` instance, and
+    fp16 mixed precision is what T4/V100 GPUs have.
 
     """
 
@@ -78,8 +90,12 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         if sharding_strategy is not _UNSET:
             fields["sharding_strategy"] = sharding_strategy
         opts = options.replace(**fields) if options is not None else FSDPPlusOptions(**fields)
-        super().__init__(process_group_backend=opts.process_group_backend, timeout=opts.timeout)
+        super().__init__()
         self.options = opts
+        self._process_group_backend: str | None = opts.process_group_backend
+        self._timeout = opts.timeout
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
         self._device_id = device_id
         for name, value in (("accelerator", accelerator), ("parallel_devices", parallel_devices),
                             ("cluster_environment", cluster_environment), ("checkpoint_io", checkpoint_io),
@@ -95,6 +111,63 @@ class FSDPPlusStrategy(ModelParallelStrategy):
         if options is not None and name in OPTION_FIELDS:
             return getattr(options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # ------------------------------------------------------------------ shared with ModelParallelStrategy
+    # Process, device and collective handling is ModelParallelStrategy's, reused as is (these members do not
+    # call super(), so they work on any ParallelStrategy with the attributes __init__ sets).
+    root_device = ModelParallelStrategy.root_device
+    num_processes = ModelParallelStrategy.num_processes
+    process_group_backend = ModelParallelStrategy.process_group_backend
+    restore_checkpoint_after_setup = ModelParallelStrategy.restore_checkpoint_after_setup
+    lightning_restore_optimizer = ModelParallelStrategy.lightning_restore_optimizer
+    tensor_init_context = ModelParallelStrategy.tensor_init_context
+    barrier = ModelParallelStrategy.barrier
+    broadcast = ModelParallelStrategy.broadcast
+    reduce = ModelParallelStrategy.reduce
+    _determine_device_ids = ModelParallelStrategy._determine_device_ids
+    teardown = ModelParallelStrategy.teardown
+    load_model_state_dict = ModelParallelStrategy.load_model_state_dict
+    load_optimizer_state_dict = ModelParallelStrategy.load_optimizer_state_dict
+    _get_process_group_backend = ModelParallelStrategy._get_process_group_backend
+    set_world_ranks = ModelParallelStrategy.set_world_ranks
+
+    @override
+    def model_to_device(self) -> None:
+        """Move what is not on the root device yet; a no-op for a model already placed (e.g. from the last stage).
+
+        FSDP2's ``_apply`` swaps every parameter even when nothing moves, which fails inside
+        ``torch.inference_mode()`` ("Cannot set version_counter for inference tensor"); moves that are needed run
+        with inference mode off.
+        """
+        assert self.model is not None
+        device = self.root_device
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        if all(t.device == device for t in tensors):
+            return
+        with torch.inference_mode(False):
+            self.model.to(device)
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always true: Lightning asks this of strategies it does not know (e.g. to add a DistributedSampler)."""
+        return True
+
+    def _setup_distributed(self) -> None:
+        # ModelParallelStrategy._setup_distributed, written against ParallelStrategy (it calls super())
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=device_id)  # fmt: skip
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        # a model sharded again for another stage has new parameters: optimizers of the last stage cannot be reused
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
 
     # ------------------------------------------------------------------ registration and properties
     @classmethod
@@ -264,11 +337,22 @@ class FSDPPlusStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's optimizer state; with ``state_dict_type="full"`` the whole state on rank 0 (empty elsewhere)
+        keyed by parameter ids like ``torch.optim.Optimizer.state_dict``, so DDP or one device can resume it."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         assert self.model is not None
-        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer),
-                                        options=self._state_options())  # fmt: skip
+        state = get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer),
+                                         options=self._state_options())  # fmt: skip
+        return optimizer_state_by_ids(state) if self.options.state_dict_type == "full" else state
+
+    def _optimizer_param_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        assert self.model is not None
+        named = get_optimizer_state_dict(self.model, optimizer, options=state_dict_options(full=False,
+                                         trainable_only=self.trainable_only))  # fmt: skip
+        return [name for group in named["param_groups"] for name in group["params"]]
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -314,10 +398,17 @@ class FSDPPlusStrategy(ModelParallelStrategy):
             return load_sharded(path, model=self.model, optimizers=self.optimizers)
         checkpoint = load_full(path)
         trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
-        options = StateDictOptions(full_state_dict=True, strict=not trainable_only)
+        assert self.lightning_module is not None
+        strict = self.lightning_module.strict_loading and not trainable_only
+        options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        for optimizer, state in zip(self.optimizers, checkpoint.pop("optimizer_states", []), strict=False):
-            set_optimizer_state_dict(self.model, optimizer, state, options=options)
+        optimizer_states = checkpoint.pop("optimizer_states", None)
+        if self.optimizers and optimizer_states is not None:
+            check_optimizer_count(configured=len(self.optimizers), saved=len(optimizer_states))
+            for optimizer, state in zip(self.optimizers, optimizer_states, strict=True):
+                # DDP and single-device checkpoints key the state by parameter id
+                state = optimizer_state_by_names(state, names=self._optimizer_param_names(optimizer))
+                set_optimizer_state_dict(self.model, optimizer, state, options=options)
         return checkpoint
 
     @override

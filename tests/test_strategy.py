@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch.distributed as dist
 from lightning.pytorch import Trainer
-from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
 
 import lightning_fsdp_plus
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy, ShardingStrategy
@@ -41,6 +41,17 @@ def test_trainer_precision_reaches_the_plugin():
 def test_explicit_fp16_plugin_on_cpu_keeps_fp16():
     trainer = cpu_trainer(plugins=[FSDPPlusPrecision("16-mixed")])
     assert trainer.precision_plugin.precision == "16-mixed" and trainer.precision_plugin.scaler is not None
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true", "bf16-true", "32-true"])
+def test_a_strategy_instance_takes_every_precision_the_string_takes(precision):
+    # Lightning refuses precision="16-mixed" for any ModelParallelStrategy instance (fp16 is the only mixed
+    # precision of T4/V100 GPUs); FSDPPlusStrategy is no longer one, and says it is distributed itself
+    by_name, by_instance = cpu_trainer(precision=precision), cpu_trainer(strategy=FSDPPlusStrategy(), precision=precision)
+    assert by_instance.precision_plugin.precision == by_name.precision_plugin.precision
+    assert isinstance(by_instance.precision_plugin, FSDPPlusPrecision)
+    assert by_instance._accelerator_connector.is_distributed
+    assert not isinstance(by_instance.strategy, ModelParallelStrategy)
 
 
 def test_sampler_covers_every_rank_in_every_strategy():
@@ -114,7 +125,9 @@ def test_lora_and_int8_argument_errors_at_construction(monkeypatch):
         (lambda: FSDPPlusStrategy(lora_only=True), lambda: CausalLMModule(tiny_llama(0).requires_grad_(False)),
          "lora_only=True shards the trainable .* but the model has none"),
         (lambda: FSDPPlusStrategy(quantize_base="int8"), lambda: TinyLM(),
-         r"quantize_base='int8' found no frozen nn.Linear outside LoRA adapters and quantize_skip=\['lm_head'\]"),
+         r"quantize_base='int8' found no frozen layer it converts \(nn.Linear, transformers Conv1D, bitsandbytes "
+         r"Linear8bitLt\) outside LoRA adapters and quantize_skip=\['lm_head'\]; layer types with frozen weights "
+         r"here: none \(nothing is frozen\)"),
     ],
 )  # fmt: skip
 def test_lora_and_int8_model_errors_fail_in_fit_before_any_process_starts(strategy, make_module, message):

@@ -356,8 +356,22 @@ def optimizer_state_by_names(state: dict[str, Any], *, names: Sequence[str]) -> 
     }
 
 
+def saved_optimizer_count(path: str | Path) -> int:
+    """How many optimizers a sharded checkpoint holds (``optimizer_<i>`` entries of its DCP metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return len({key.split(".", 1)[0] for key in keys if key.startswith("optimizer_")})
+
+
 def check_optimizer_count(*, configured: int, saved: int) -> None:
-    """Lightning's rule: a checkpoint restores exactly the optimizers the module configures."""
+    """Lightning's rule: a checkpoint restores exactly the optimizers the module configures (a weights-only one,
+    none, is Lightning's KeyError)."""
+    if saved == 0 and configured:
+        raise KeyError(
+            "Trying to restore optimizer state but checkpoint contains only the model. This is probably due to"
+            " `ModelCheckpoint.save_weights_only` being set to `True`."
+        )
     if configured != saved:
         raise RuntimeError(
             f"You have configured {configured} optimizers but the checkpoint contains {saved} optimizers to load."

@@ -64,13 +64,17 @@ def options_kwargs(kwargs: Mapping[str, Any], *, fields: Iterable[str]) -> dict[
     """Rename aliases to option names; an unknown key raises a TypeError listing the valid ones."""
     known = set(fields)
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # option -> the argument that set it
     for key, value in kwargs.items():
         name = ALIASES.get(key, key)
         if name not in known:
             valid = ", ".join(sorted(known | set(ALIASES) | {"device_id"}))
             raise TypeError(f"FSDPPlusStrategy got an unexpected argument {key!r}; valid arguments: {valid}")
         if name in out:
-            raise ValueError(f"{key} and {name} set the same option; pass only one of them")
+            raise ValueError(
+                f"{given[name]}=... and {key}=... are mutually exclusive (both set {name}); pass only one of them"
+            )
+        given[name] = key
         out[name] = value
     return out
 

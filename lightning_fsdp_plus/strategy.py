@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
 from lightning_fsdp_plus import compat
@@ -36,6 +36,7 @@ from lightning_fsdp_plus.checkpoint import (
     optimizer_state_by_names,
     save_full,
     save_sharded,
+    saved_optimizer_count,
     state_dict_options,
 )
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
@@ -284,6 +285,12 @@ class FSDPPlusStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            raise TypeError(
+                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1)."
+                " fsdp_plus shards with FSDP2 (`fully_shard`): remove the FSDP1 wrapping and let auto_wrap_policy"
+                " choose the units"
+            )
         if is_sharded(self.model):
             if self._sharding_plan is None:  # not ours: the user called fully_shard in configure_model
                 rank_zero_info(
@@ -328,12 +335,40 @@ class FSDPPlusStrategy(ParallelStrategy):
     def _state_options(self) -> Any:
         return state_dict_options(full=self.options.state_dict_type == "full", trainable_only=self.trainable_only)
 
+    def reshard(self) -> None:
+        """Put every FSDP unit back in its sharded state (outside ``torch.inference_mode``).
+
+        FSDP2 keeps the root unit's parameters unsharded after a forward (they are needed for backward); after an
+        evaluation stage nothing calls backward, so they would stay whole (memory) and plain, inference-mode
+        tensors, which state-dict calls cannot read ("Cannot set version_counter for inference tensor").
+        """
+        if self.model is None:
+            return
+        with torch.inference_mode(False):
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    @override
+    def on_validation_end(self) -> None:
+        self.reshard()
+
+    @override
+    def on_test_end(self) -> None:
+        self.reshard()
+
+    @override
+    def on_predict_end(self) -> None:
+        self.reshard()
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         assert self.model is not None
-        return get_model_state_dict(self.model, options=self._state_options())
+        self.reshard()  # ModelCheckpoint saves in on_validation_end, before the strategy's hook
+        with torch.inference_mode(False):
+            return get_model_state_dict(self.model, options=self._state_options())
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -342,8 +377,9 @@ class FSDPPlusStrategy(ParallelStrategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         assert self.model is not None
-        state = get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer),
-                                         options=self._state_options())  # fmt: skip
+        with torch.inference_mode(False):
+            state = get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer),
+                                             options=self._state_options())  # fmt: skip
         return optimizer_state_by_ids(state) if self.options.state_dict_type == "full" else state
 
     def _optimizer_param_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -386,29 +422,38 @@ class FSDPPlusStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.model is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        self.reshard()
+        with torch.inference_mode(False):  # trainer.test(ckpt_path=...) may run inside torch.inference_mode()
+            return self._load_checkpoint(path)
+
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        assert self.model is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None and self.lightning_module is not None
+        # optimizer states are restored when fitting (Lightning's rule); test/predict after fit keep fit's optimizers
+        optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
         if is_sharded_checkpoint(path):
-            return load_sharded(path, model=self.model, optimizers=self.optimizers)
+            if optimizers:
+                check_optimizer_count(configured=len(optimizers), saved=saved_optimizer_count(path))
+            return load_sharded(path, model=self.model, optimizers=optimizers)
         checkpoint = load_full(path)
         trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
-        assert self.lightning_module is not None
         strict = self.lightning_module.strict_loading and not trainable_only
         options = StateDictOptions(full_state_dict=True, strict=strict)
         set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        optimizer_states = checkpoint.pop("optimizer_states", None)
-        if self.optimizers and optimizer_states is not None:
-            check_optimizer_count(configured=len(self.optimizers), saved=len(optimizer_states))
-            for optimizer, state in zip(self.optimizers, optimizer_states, strict=True):
-                # DDP and single-device checkpoints key the state by parameter id
-                state = optimizer_state_by_names(state, names=self._optimizer_param_names(optimizer))
-                set_optimizer_state_dict(self.model, optimizer, state, options=options)
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        if optimizers:
+            check_optimizer_count(configured=len(optimizers), saved=len(optimizer_states))
+        for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+            # DDP and single-device checkpoints key the state by parameter id
+            state = optimizer_state_by_names(state, names=self._optimizer_param_names(optimizer))
+            set_optimizer_state_dict(self.model, optimizer, state, options=options)
         return checkpoint
 
     @override

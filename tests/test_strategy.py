@@ -47,7 +47,8 @@ def test_explicit_fp16_plugin_on_cpu_keeps_fp16():
 def test_a_strategy_instance_takes_every_precision_the_string_takes(precision):
     # Lightning refuses precision="16-mixed" for any ModelParallelStrategy instance (fp16 is the only mixed
     # precision of T4/V100 GPUs); FSDPPlusStrategy is no longer one, and says it is distributed itself
-    by_name, by_instance = cpu_trainer(precision=precision), cpu_trainer(strategy=FSDPPlusStrategy(), precision=precision)
+    by_name = cpu_trainer(precision=precision)
+    by_instance = cpu_trainer(strategy=FSDPPlusStrategy(), precision=precision)
     assert by_instance.precision_plugin.precision == by_name.precision_plugin.precision
     assert isinstance(by_instance.precision_plugin, FSDPPlusPrecision)
     assert by_instance._accelerator_connector.is_distributed

@@ -72,7 +72,23 @@ def expected_dtype(precision: str) -> torch.dtype:
 
 
 # ------------------------------------------------------------------------------------------ test_fsdp.py models
-class TestFSDPModel(BoringModel):
+class StageChecks:
+    """The batch hooks both of test_fsdp.py's checking models define: fp32 batches, units checked every stage."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        assert batch.dtype == torch.float32
+
+    def on_train_batch_end(self, _, batch, batch_idx):
+        assert batch.dtype == torch.float32
+        self._assert_layer_fsdp_instance()
+
+    on_test_batch_end = on_validation_batch_end = on_predict_batch_end = on_train_batch_end
+
+    def _assert_layer_fsdp_instance(self) -> None:
+        raise NotImplementedError
+
+
+class TestFSDPModel(StageChecks, BoringModel):
     """test_fsdp.py's ``TestFSDPModel``: layers built in configure_model; every stage checks units and dtypes."""
 
     def __init__(self):
@@ -85,15 +101,6 @@ class TestFSDPModel(BoringModel):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.layer.parameters(), lr=0.1)
-
-    def on_train_batch_start(self, batch, batch_idx):
-        assert batch.dtype == torch.float32
-
-    def on_train_batch_end(self, _, batch, batch_idx):
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    on_test_batch_end = on_validation_batch_end = on_predict_batch_end = on_train_batch_end
 
     def _assert_layer_fsdp_instance(self) -> None:
         assert isinstance(self, FSDPModule)  # the root unit
@@ -114,16 +121,7 @@ class TestBoringModel(BoringModel):
         return torch.optim.AdamW(self.parameters(), lr=0.1)
 
 
-class TestFSDPModelAutoWrapped(TestBoringModel):
-    def on_train_batch_start(self, batch, batch_idx):
-        assert batch.dtype == torch.float32
-
-    def on_train_batch_end(self, _, batch, batch_idx):
-        assert batch.dtype == torch.float32
-        self._assert_layer_fsdp_instance()
-
-    on_test_batch_end = on_validation_batch_end = on_predict_batch_end = on_train_batch_end
-
+class TestFSDPModelAutoWrapped(StageChecks, TestBoringModel):
     def _assert_layer_fsdp_instance(self) -> None:
         assert isinstance(self.layer, nn.Sequential)
         expected = expected_dtype(self.trainer.precision)

@@ -84,3 +84,14 @@ print(json.dumps({"added": added, "imported": names}))
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not set(result["added"]) & set(APP_ONLY), result["added"]
     assert "lightning_fsdp_plus.app.train" in result["imported"] and len(result["imported"]) > 25
+
+
+def test_the_wheel_lists_every_package():
+    # setuptools' explicit package list silently drops a package nobody added (app/ was missing from the wheel)
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    source = REPO / "lightning_fsdp_plus"
+    packages = {".".join(p.parent.relative_to(REPO).parts) for p in source.rglob("__init__.py")}
+    assert packages - listed == set(), sorted(packages - listed)
+    assert "lightning_fsdp_plus.app" in packages and "lightning_fsdp_plus.conf" in listed

@@ -25,7 +25,9 @@ torch (2.13.0):
 - ``FSDPModule._get_fsdp_state``, ``_fully_shard._fsdp_param.ShardedState``: FSDP2's parameter records (memory);
 - DTensor's caches (``_redistribute``, ``_collective_utils.MeshTopoInfo``, ``debug``): freeing groups at exit;
 - ``_subclasses.fake_tensor.FakeTensorMode``, ``_tools.fsdp2_mem_tracker``, ``testing._internal...FakeStore``:
-  the estimator's FakeTensor model and ``--simulate``.
+  the estimator's FakeTensor model and ``--simulate``;
+- ``torch._C._nn._parse_to``: ``Tensor.to``'s argument parser (as ``nn.Module.to`` uses it), to see where a
+  ``.to`` call sends a tensor (:func:`~lightning_fsdp_plus.lora.adapters_stay_real`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save, _is_sharded_checkpoint
 from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
@@ -65,9 +68,15 @@ __all__ = [
     "fsdp1_recursive_wrap",
     "fsdp2_mem_tracker",
     "fsdp_param_records",
+    "parse_to",
     "reset_seed",
     "sharded_state",
 ]
+
+
+def parse_to(*args: Any, **kwargs: Any) -> tuple[Any, Any, bool, Any]:
+    """``(device, dtype, non_blocking, memory_format)`` of ``Tensor.to``'s arguments (after the tensor)."""
+    return torch._C._nn._parse_to(*args, **kwargs)
 
 
 def fsdp1_policy_base() -> type:

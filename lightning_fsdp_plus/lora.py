@@ -7,14 +7,17 @@ sharded model, so ``peft.PeftModel.from_pretrained`` loads it onto a plain base 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_fsdp_plus._dist import barrier, rank
+from lightning_fsdp_plus._private import parse_to
 
 _ALIASES = {"alpha": "lora_alpha", "dropout": "lora_dropout"}
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -116,8 +119,68 @@ def apply_lora(module: nn.Module, lora: Any) -> str:
     config = make_lora_config(lora)
     path, host = _lora_host(module)
     check_target_modules(host, config)
-    module.set_submodule(path, get_peft_model(host, config))
+    with adapters_stay_real():
+        module.set_submodule(path, get_peft_model(host, config))
     return path
+
+
+class _NothingRealToMeta(TorchFunctionMode):
+    """``Tensor.to("meta")`` of a real tensor keeps it where it is (a dtype change still applies)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to and not args[0].is_meta:
+            device, dtype, *_ = parse_to(*args[1:], **kwargs)
+            if device is not None and torch.device(device).type == "meta":
+                return args[0] if dtype is None else args[0].to(dtype=dtype)
+        return func(*args, **kwargs)
+
+
+@contextmanager
+def adapters_stay_real() -> Iterator[None]:
+    """Within it, adapters PEFT creates for a base layer on the meta device stay on the CPU.
+
+    PEFT creates and initializes each adapter on the CPU, then moves it to its base layer's device and dtype; for a
+    base built on meta (streaming loading) the move would drop the initial values. Within this context nothing
+    real moves to meta, so each adapter holds exactly what it would hold on a loaded base (same random draws,
+    same dtype), and the loader has nothing to invent.
+    """
+    with _NothingRealToMeta():
+        yield
+
+
+def init_meta_adapters(module: nn.Module) -> list[str]:
+    """Materialize (on the CPU) and initialize, with PEFT's own init, LoRA adapters left on the meta device.
+
+    That happens when PEFT was applied to a model built on meta outside :func:`adapters_stay_real` (e.g. in the
+    user's LightningModule). Returns ``"path[adapter]"`` of each adapter initialized.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    found = find_peft_model(module)
+    configs = found[1].peft_config if found is not None else {}
+    done = []
+    for path, layer in module.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for name in list(layer.lora_A):
+            adapters = [layer.lora_A[name], layer.lora_B[name]]
+            if not any(t.is_meta for a in adapters for t in a.parameters()):
+                continue
+            init = getattr(configs.get(name), "init_lora_weights", True)
+            if not (isinstance(init, bool) or init == "gaussian"):
+                raise ValueError(
+                    f"lora.init_lora_weights={init!r} initializes {path} from its base weights, which are not loaded"
+                    " yet (the base is built on meta); apply LoRA through FSDPPlusStrategy(lora=...), use True or"
+                    " 'gaussian', or load with model.low_memory_load=false"
+                )
+            for adapter in adapters:
+                adapter.to_empty(device="cpu")
+                if init is False:
+                    adapter.reset_parameters()  # PEFT's init_lora_weights=False keeps nn.Linear's own init
+            layer.reset_lora_parameters(name, init)
+            done.append(f"{path}[{name}]")
+    return done
 
 
 def check_trainable(module: nn.Module, *, key: str = "lora_only") -> None:

@@ -1,6 +1,6 @@
 """From a module to a sharded, materialized module, in stages every caller shares.
 
-    prepare (LoRA, checks) -> quantize (int8) -> plan (pure data) -> shard (fully_shard) -> materialize
+    prepare (LoRA, checks) -> quantize (int8) -> plan (pure data) -> shard (fully_shard) -> materialize (load)
 
 ``FSDPPlusStrategy.setup`` runs all of them; the memory estimator runs the first three on a meta/FakeTensor
 model, and ``--simulate`` shards that model on a fake process group. Each stage takes the one
@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fsdp_plus._private import _materialize_distributed_module
-from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters
+from lightning_fsdp_plus.loading import load_pretrained_weights
+from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters, init_meta_adapters
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
 from lightning_fsdp_plus.policies import resolve_module_classes, select_unit_paths
@@ -35,9 +36,14 @@ from lightning_fsdp_plus.sharding import apply_sharding_plan
 
 
 def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
-    """Stage 1: apply LoRA if configured, and check what LoRA-only sharding and int8 need (idempotent)."""
+    """Stage 1: apply LoRA if configured, and check what LoRA-only sharding and int8 need (idempotent).
+
+    LoRA adapters on the meta device (PEFT applied to a deferred pretrained model) are initialized here, with the
+    same values on every rank, before anything is sharded.
+    """
     if options.lora is not None:
         apply_lora(model, options.lora)
+    init_meta_adapters(model)
     if options.lora_only:
         check_trainable(model)
     already = any(isinstance(m, Int8Linear) for m in model.modules())
@@ -111,10 +117,17 @@ def shard_model(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMesh) -> li
 
 
 def materialize_model(
-    model: nn.Module, *, device: torch.device, param_init_fn: Callable[[nn.Module], Any] | None = None
+    model: nn.Module,
+    *,
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], Any] | None = None,
+    report: Callable[[str], Any] = lambda _: None,
 ) -> None:
-    """Stage 5: tensors still on the meta device become real: ``param_init_fn`` per module (FSDP1's contract),
-    else ``to_empty`` + ``reset_parameters`` (Lightning's helper)."""
+    """Stage 5: tensors still on the meta device become real. Deferred pretrained models are loaded from their
+    checkpoints, each rank reading its shards (:func:`~lightning_fsdp_plus.loading.load_pretrained_weights`); the
+    rest get ``param_init_fn`` per module (FSDP1's contract), else ``to_empty`` + ``reset_parameters``
+    (Lightning's helper)."""
+    load_pretrained_weights(model, device=device, report=report)
     if param_init_fn is None:
         _materialize_distributed_module(model, device)
         return
@@ -146,5 +159,5 @@ def build_sharded_model(
     plan = plan_model(model, options, layout=layout, precision=str(precision.precision), device_type=device.type)
     report(plan.format_table())
     shard_model(model, plan, mesh=mesh)
-    materialize_model(model, device=device, param_init_fn=options.param_init_fn)
+    materialize_model(model, device=device, param_init_fn=options.param_init_fn, report=report)
     return model, plan

@@ -302,7 +302,8 @@ class FSDPPlusStrategy(ParallelStrategy):
                     sharding_strategy=self.options.sharding_strategy,
                     mesh=self.mesh_layout,
                 )
-            materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn)
+            materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn,
+                              report=rank_zero_info)  # fmt: skip
         else:
             self.model, self._sharding_plan = build_sharded_model(
                 self.model,

@@ -39,6 +39,25 @@ class CausalLMModule(LightningModule):
         self.model = model
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        torch_dtype: str | torch.dtype | None = None,
+        config_overrides: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> CausalLMModule:
+        """A module around a pretrained causal LM whose weights ``FSDPPlusStrategy`` loads after sharding.
+
+        The model is built on the meta device (:func:`~lightning_fsdp_plus.loading.deferred_pretrained`): no
+        rank ever holds the whole float model; each reads only its own shards from the safetensors files.
+        ``torch_dtype`` as in ``from_pretrained``; other keyword arguments are this class's (``lr``, ...).
+        """
+        from lightning_fsdp_plus.loading import deferred_pretrained
+
+        return cls(deferred_pretrained(name_or_path, dtype=torch_dtype, config_overrides=config_overrides), **kwargs)
+
     def forward(self, **batch: Tensor) -> Any:
         """Run the wrapped model."""
         return self.model(**batch)

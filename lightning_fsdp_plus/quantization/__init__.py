@@ -6,6 +6,7 @@ from lightning_fsdp_plus.quantization.int8 import (
     convert_to_int8,
     frozen_layer_types,
     int8_candidates,
+    quantize_rows,
     require_bitsandbytes,
 )
 
@@ -20,6 +21,7 @@ __all__ = [
     "convert_to_int8",
     "frozen_layer_types",
     "int8_candidates",
+    "quantize_rows",
     "require_bitsandbytes",
 ]
 

@@ -54,6 +54,8 @@ class Int8Linear(nn.Module):
         bias: Whether the layer has a (frozen, floating-point) bias.
         threshold: LLM.int8 outlier threshold on activations (bitsandbytes' ``threshold``; 0 disables it).
         bias_dtype: dtype of the bias.
+        source_layout: Layout of the float weight it is quantized from: ``"linear"`` (``[out, in]``) or
+            ``"conv1d"`` (transformers ``Conv1D``, ``[in, out]``); the weight here is always ``[out, in]``.
     """
 
     def __init__(
@@ -65,8 +67,10 @@ class Int8Linear(nn.Module):
         threshold: float = 6.0,
         bias_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        source_layout: str = "linear",
     ) -> None:
         super().__init__()
+        self.source_layout = source_layout
         logging.getLogger("bitsandbytes.autograd._functions").addFilter(_CAST_FILTER)  # idempotent
         self.in_features, self.out_features, self.threshold = in_features, out_features, float(threshold)
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
@@ -116,10 +120,8 @@ class Int8Linear(nn.Module):
     @torch.no_grad()
     def from_linear(cls, linear: nn.Linear, *, threshold: float = 6.0) -> Int8Linear:
         """Quantize a float ``nn.Linear`` exactly as ``Linear8bitLt`` does (fp16, row-wise absmax)."""
-        from bitsandbytes.functional import int8_vectorwise_quant
-
         weight = linear.weight.detach()
-        cb, scb, _ = int8_vectorwise_quant(weight.to(torch.float16).contiguous())
+        cb, scb = quantize_rows(weight)
         bias = linear.bias
         layer = cls(linear.in_features, linear.out_features, bias is not None, threshold=threshold,
                     bias_dtype=bias.dtype if bias is not None else torch.float32, device=weight.device)  # fmt: skip
@@ -136,7 +138,9 @@ class Int8Linear(nn.Module):
         linear = nn.Linear(weight.shape[0], weight.shape[1], bias=conv.bias is not None, device="meta")
         linear.weight = nn.Parameter(weight.t(), requires_grad=False)
         linear.bias = None if conv.bias is None else nn.Parameter(conv.bias.detach(), requires_grad=False)
-        return cls.from_linear(linear, threshold=threshold)
+        layer = cls.from_linear(linear, threshold=threshold)
+        layer.source_layout = "conv1d"
+        return layer
 
     @classmethod
     @torch.no_grad()
@@ -155,10 +159,24 @@ class Int8Linear(nn.Module):
         return out.load_quantized(cb, scb, None if bias is None else bias.detach())
 
     def extra_repr(self) -> str:
+        layout = ", source_layout=conv1d" if self.source_layout == "conv1d" else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"bias={self.bias is not None}, threshold={self.threshold}"
+            f"bias={self.bias is not None}, threshold={self.threshold}{layout}"
         )
+
+
+@torch.no_grad()
+def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """LLM.int8 row-wise quantization as ``Linear8bitLt`` does it: ``(int8 weight, fp32 absmax per row)``.
+
+    Each row is quantized on its own, so quantizing a block of rows equals quantizing the whole weight and
+    slicing (what streaming loading relies on).
+    """
+    from bitsandbytes.functional import int8_vectorwise_quant
+
+    cb, scb, _ = int8_vectorwise_quant(weight.to(torch.float16).contiguous())
+    return cb, scb
 
 
 def _skipped(path: str, skip: Sequence[str]) -> bool:
@@ -225,8 +243,9 @@ def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), thr
             bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
             # nn.Linear holds [out, in], Conv1D [in, out]
             in_features, out_features = module.weight.shape if _is_conv1d(module) else module.weight.shape[::-1]
-            replacement = Int8Linear(in_features, out_features, module.bias is not None,
-                                     threshold=threshold, bias_dtype=bias_dtype, device="meta")  # fmt: skip
+            layout = "conv1d" if _is_conv1d(module) else "linear"
+            replacement = Int8Linear(in_features, out_features, module.bias is not None, threshold=threshold,
+                                     bias_dtype=bias_dtype, device="meta", source_layout=layout)  # fmt: skip
         elif _is_conv1d(module):
             replacement = Int8Linear.from_conv1d(module, threshold=threshold)
         else:

@@ -1,0 +1,116 @@
+"""``StreamingLoadPlanner``: a ``torch.distributed.checkpoint`` load planner that converts while it reads.
+
+DCP's documented extension point: the plan asks the storage reader (``HuggingFaceStorageReader``, which reads
+``safe_open(...).get_slice(key)[rows]``) for exactly this rank's slice of each target; ``resolve_tensor`` hands
+it the destination — the shard itself when nothing needs converting, else a staging buffer of that slice only —
+and ``commit_tensor`` converts the buffer into the shard (a second dtype cast, a transpose, LLM.int8 quantization
+of the rows) and lets it go. A rank never holds more than its shards plus one slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
+
+from lightning_fsdp_plus.loading.files import PretrainedLoadError
+from lightning_fsdp_plus.loading.targets import LoadTarget
+from lightning_fsdp_plus.quantization import quantize_rows
+
+
+def local_part(tensor: Tensor) -> tuple[Tensor, ChunkStorageMetadata]:
+    """This rank's local tensor and where it sits in the full tensor (offsets, sizes)."""
+    if isinstance(tensor, DTensor):
+        (chunk,) = tensor.__create_chunk_list__()
+        return tensor.to_local(), chunk
+    return tensor, ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.size())
+
+
+def _narrow(tensor: Tensor, offsets: Any, lengths: Any) -> Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+class StreamingLoadPlanner(DefaultLoadPlanner):
+    """Reads each :class:`LoadTarget`'s local slice from the checkpoint into ``root``'s (sharded) tensors.
+
+    Arguments:
+        root: The module the targets' paths start from.
+        targets: What to fill, from which checkpoint key.
+    """
+
+    def __init__(self, root: nn.Module, targets: list[LoadTarget]) -> None:
+        super().__init__()
+        self.root, self.targets = root, targets
+        self.bytes_read = 0
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        """Keep the checkpoint's metadata (the state dict is unused: the targets say what to load)."""
+        self.metadata, self.is_coordinator = metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        """One read per target and checkpoint chunk overlapping this rank's part of it."""
+        assert self.metadata is not None
+        items: list[ReadItem] = []
+        for i, target in enumerate(self.targets):
+            stored = self.metadata.state_dict_metadata.get(target.key)
+            if stored is None:  # the files changed since the model was built
+                raise PretrainedLoadError(f"{target.key} is no longer in the checkpoint's files")
+            _, chunk = local_part(target.tensor(self.root))
+            if chunk.sizes.numel() == 0:
+                continue  # an uneven split left this rank no rows
+            if target.transposed:
+                chunk = ChunkStorageMetadata(
+                    offsets=torch.Size(chunk.offsets[::-1]), sizes=torch.Size(chunk.sizes[::-1])
+                )
+            for item in create_read_items_for_chunk_list(target.key, stored, [chunk]):  # type: ignore[arg-type]
+                dest = MetadataIndex(str(i), item.dest_index.offset, item.dest_index.index)
+                items.append(dataclasses.replace(item, dest_index=dest))
+        return LoadPlan(items)
+
+    def _target(self, item: ReadItem) -> LoadTarget:
+        return self.targets[int(item.dest_index.fqn)]
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        """The shard slice itself when no conversion is needed, else a staging buffer of the slice."""
+        target = self._target(read_item)
+        local, _ = local_part(target.tensor(self.root))
+        stored = self.metadata.state_dict_metadata[target.key]  # type: ignore[union-attr]
+        self.bytes_read += read_item.lengths.numel() * stored.properties.dtype.itemsize  # type: ignore[union-attr]
+        if target.quantize or target.transposed or target.load_dtype != local.dtype:
+            return torch.empty(tuple(read_item.lengths), dtype=target.load_dtype)
+        return _narrow(local, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        """Convert a staged slice into the shard (cast, transpose, quantize); a direct read is already there."""
+        target = self._target(read_item)
+        owner = self.root.get_submodule(target.module_path)
+        local, _ = local_part(getattr(owner, target.attribute))
+        offsets, lengths = tuple(read_item.dest_offsets), tuple(read_item.lengths)
+        if target.transposed:
+            tensor, offsets, lengths = tensor.t(), offsets[::-1], lengths[::-1]
+        if tensor.data_ptr() == _narrow(local, offsets, lengths).data_ptr() and not target.quantize:
+            return  # read straight into the shard
+        with torch.no_grad():
+            if not target.quantize:
+                _narrow(local, offsets, lengths).copy_(tensor)
+                return
+            if lengths[1] != local.size(1):
+                raise PretrainedLoadError(f"{target.key}: LLM.int8 quantizes whole rows, but a read covers part of one")
+            weight, scale = quantize_rows(tensor)
+            rows = slice(offsets[0], offsets[0] + lengths[0])
+            local[rows].copy_(weight)
+            scale_local, _ = local_part(owner.weight_scale)
+            scale_local[rows].copy_(scale.to(torch.float32).view(torch.int32))
+
+    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
+        """Pretrained checkpoints hold tensors only."""
+        raise PretrainedLoadError(f"{read_item.storage_index.fqn} is not a tensor in the checkpoint")

@@ -13,7 +13,8 @@ Features and the flags that switch them (every key is typed in ``lightning_fsdp_
 - LoRA: the lora_* presets fill ``strategy.lora`` from ``conf/lora/default.yaml``
   (swap: ``lora@strategy.lora=attention``; add to any strategy: ``+lora@strategy.lora=default``);
 - precision: ``precision=`` 32_true | bf16_mixed | bf16_true | 16_mixed | 16_true;
-- model: ``model=tiny_llama`` (built from a config) or ``model=pretrained model.name_or_path=...``;
+- model: ``model=tiny_llama`` (built from a config) or ``model=pretrained model.name_or_path=...`` (built on
+  meta, each rank reads only its shards after sharding; ``model.low_memory_load=false``: ``from_pretrained``);
 - hardware: ``trainer=cpu|gpu|multi_node``, ``trainer.devices=N``;
 - sweeps: ``-m`` or ``sweep=sharding``: each job launches exactly its own ranks (a fresh
   ``python -m lightning_fsdp_plus.app.train`` per job, so Lightning's launcher never re-runs the sweep), and
@@ -59,14 +60,19 @@ GENERATIONS_FILE = "generations.jsonl"
 
 
 def build_module(model_cfg: DictConfig) -> Any:
-    """The LightningModule: ``_target_`` with ``kwargs``, else ``CausalLMModule`` around a transformers LM."""
+    """The LightningModule: ``_target_`` with ``kwargs``, else ``CausalLMModule`` around a transformers LM
+    (pretrained ones built on meta and loaded by the strategy, unless ``model.low_memory_load=false``)."""
     from lightning_fsdp_plus.app.lm import CausalLMModule, build_causal_lm
 
     if model_cfg.get("_target_"):
         return instantiate({"_target_": model_cfg._target_, **model_cfg.kwargs}, _convert_="all")
     config = OmegaConf.to_container(model_cfg.config, resolve=True) if model_cfg.config is not None else None
+    hyper = {"lr": model_cfg.lr, "weight_decay": model_cfg.weight_decay}
+    if model_cfg.name_or_path is not None and model_cfg.low_memory_load:  # weights read per rank after sharding
+        return CausalLMModule.from_pretrained(model_cfg.name_or_path, torch_dtype=model_cfg.torch_dtype,
+                                              config_overrides=config, **hyper)  # fmt: skip
     model = build_causal_lm(name_or_path=model_cfg.name_or_path, config=config, torch_dtype=model_cfg.torch_dtype)
-    return CausalLMModule(model, lr=model_cfg.lr, weight_decay=model_cfg.weight_decay)
+    return CausalLMModule(model, **hyper)
 
 
 def build_strategy(strategy_cfg: DictConfig) -> Any:

@@ -138,3 +138,33 @@ def test_a_users_own_app_can_use_our_configs_through_the_searchpath(tmp_path):
     with initialize_config_dir(str(tmp_path), version_base="1.3"):
         cfg = compose("my_app")
     assert cfg.strategy.quantize_base == "int8" and cfg.strategy.lora.r == 8
+
+
+def test_a_pretrained_model_loads_by_streaming_unless_low_memory_load_is_false(tmp_path):
+    from lightning_fsdp_plus.app.train import build_module
+    from lightning_fsdp_plus.loading import has_pending_weights, pretrained_source
+    from tests.helpers.checkpoints import save_checkpoint
+
+    save_checkpoint(tmp_path, "llama")
+    cfg = compose("config", overrides=["model=pretrained", f"model.name_or_path={tmp_path}"])
+    assert cfg.model.low_memory_load is True
+    validate_run_config(cfg)
+    streamed = build_module(cfg.model)
+    assert has_pending_weights(streamed) and pretrained_source(streamed.model).checkpoint.directory == tmp_path
+    loaded = build_module(compose("config", overrides=["model=pretrained", f"model.name_or_path={tmp_path}",
+                                                        "model.low_memory_load=false"]).model)  # fmt: skip
+    assert not has_pending_weights(loaded) and not any(p.is_meta for p in loaded.parameters())
+
+
+def test_a_checkpoint_without_safetensors_fails_validation_with_the_fix(tmp_path):
+    import torch
+
+    from tests.helpers.checkpoints import tiny_causal_lm
+
+    model = tiny_causal_lm("llama")
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")  # an older checkpoint: pickled weights only
+    overrides = ["model=pretrained", f"model.name_or_path={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"model\.name_or_path: .* has no \*\.safetensors.*low_memory_load=false"):
+        validate_run_config(compose("config", overrides=overrides))
+    validate_run_config(compose("config", overrides=[*overrides, "model.low_memory_load=false"]))

@@ -89,6 +89,10 @@ class ModelSchema:
     """Build from scratch from transformers config kwargs (with ``model_type``) instead of loading weights."""
     torch_dtype: str | None = None
     """dtype to load weights in (e.g. bfloat16); null keeps the checkpoint's."""
+    low_memory_load: bool = True
+    """Build the model on the meta device and let each rank read only its own shards from the safetensors files
+    after sharding (int8 quantized while loading); false: ``from_pretrained`` in every rank, which holds the whole
+    model per process while loading (needed for ``pytorch_model.bin`` checkpoints)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     weight_decay: float = 0.0

@@ -53,6 +53,13 @@ def check_model(model: Any) -> None:
                 f"model.name_or_path={str(name)!r} is not a directory with a config.json; give a local model"
                 " directory (saved with save_pretrained) or a Hugging Face model id"
             )
+        if model.get("low_memory_load", True) and model.get("_target_") is None:
+            from lightning_fsdp_plus.loading import PretrainedLoadError, read_checkpoint
+
+            try:
+                read_checkpoint(path)  # safetensors present, index complete, headers readable
+            except PretrainedLoadError as err:
+                raise ConfigError(f"model.name_or_path: {err}") from None
 
 
 def strategy_options(strategy: Any) -> FSDPPlusOptions:

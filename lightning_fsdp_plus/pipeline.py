@@ -159,5 +159,7 @@ def build_sharded_model(
     plan = plan_model(model, options, layout=layout, precision=str(precision.precision), device_type=device.type)
     report(plan.format_table())
     shard_model(model, plan, mesh=mesh)
-    materialize_model(model, device=device, param_init_fn=options.param_init_fn, report=report)
+    # shards live in host memory under CPU offload: materialize (and load) them there, as torchtitan does
+    shards_on = torch.device("cpu") if plan.cpu_offload else device
+    materialize_model(model, device=shards_on, param_init_fn=options.param_init_fn, report=report)
     return model, plan

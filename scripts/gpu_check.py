@@ -3,7 +3,8 @@
     python scripts/gpu_check.py [--steps 30]
 
 Covers what CPU tests cannot: bitsandbytes' CUDA int8 kernels behind ``Int8Linear`` (bit-identical to
-``Linear8bitLt``), autocast on the CUDA device, and a real ``fsdp-plus-train experiment=medical_lora`` run
+``Linear8bitLt``), autocast on the CUDA device, streaming loading into CUDA shards (equal to ``from_pretrained``
++ the old pipeline, nccl), and a real ``fsdp-plus-train experiment=medical_lora`` run
 on ``min(2, GPUs)`` GPUs with nccl, bf16-mixed, LoRA on an int8 base — the "real-model path" with only
 ``trainer.accelerator`` and ``trainer.devices`` changed (add ``model.name_or_path=...`` for a real model).
 """
@@ -56,6 +57,45 @@ def check_autocast() -> None:
     print("ok: bf16 autocast on the CUDA device")
 
 
+def check_streaming_load() -> None:
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_fsdp_plus import FSDPPlusPrecision
+    from lightning_fsdp_plus.app.lm import CausalLMModule, build_causal_lm
+    from lightning_fsdp_plus.options import FSDPPlusOptions
+    from lightning_fsdp_plus.pipeline import build_sharded_model
+    from lightning_fsdp_plus.sharding import build_mesh
+
+    sys.path.insert(0, str(REPO))
+    from tests.helpers.checkpoints import save_checkpoint
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29531", RANK="0", WORLD_SIZE="1")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+    device = torch.device("cuda", 0)
+    options = FSDPPlusOptions(lora={"r": 4}, quantize_base="int8")
+    layout = options.mesh_layout(world_size=1)
+    mesh = build_mesh(layout=layout, device_type="cuda")
+    for arch in ("llama", "qwen2", "gpt2"):
+        path = save_checkpoint(Path(tempfile.mkdtemp(prefix=f"gpu_check_{arch}_")), arch)
+        states = []
+        for streamed in (False, True):
+            torch.manual_seed(0)
+            module = CausalLMModule.from_pretrained(str(path)) if streamed else CausalLMModule(
+                build_causal_lm(name_or_path=str(path)))  # fmt: skip
+            model, _ = build_sharded_model(module, options, mesh=mesh, layout=layout,
+                                           precision=FSDPPlusPrecision("bf16-true"), device=device)  # fmt: skip
+            assert all(p.device.type == "cuda" for p in model.parameters()), "a parameter is not on the GPU"
+            states.append(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+        different = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+        assert not different, f"{arch}: streamed weights differ from from_pretrained + pipeline: {different[:3]}"
+    dist.destroy_process_group()
+    print("ok: streaming loading into CUDA shards (nccl, LoRA + int8) == from_pretrained + pipeline (3 architectures)")
+
+
 def check_training_run(steps: int) -> None:
     devices = min(2, torch.cuda.device_count())
     run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_"))
@@ -87,6 +127,7 @@ def main() -> None:
     print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     check_int8_kernels()
     check_autocast()
+    check_streaming_load()
     check_training_run(args.steps)
 
 

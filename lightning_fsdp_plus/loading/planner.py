@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
@@ -33,6 +34,29 @@ def local_part(tensor: Tensor) -> tuple[Tensor, ChunkStorageMetadata]:
     return tensor, ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.size())
 
 
+def row_block(rows: int, *, rank: int, world: int) -> tuple[int, int]:
+    """``(start, stop)`` of this rank's rows when ``rows`` are split as ``torch.chunk`` / DTensor ``Shard(0)`` do."""
+    size = -(-rows // world)
+    start = min(rank * size, rows)
+    return start, min(start + size, rows)
+
+
+@torch.no_grad()
+def _all_gather_rows(param: Tensor, block: Tensor, *, world: int) -> None:
+    """Fill ``param`` with every rank's row block (torch.chunk split): one ``all_gather_single``, into
+    ``param`` itself when the rows split evenly, else into a padded buffer first."""
+    rows = param.size(0)
+    size = -(-rows // world)
+    if block.size(0) < size:  # the last blocks of an uneven split are shorter (or empty): pad to the same size
+        block = torch.cat([block, block.new_zeros(size - block.size(0), *block.shape[1:])])
+    if size * world == rows and param.is_contiguous():
+        dist.all_gather_single(param, block)
+        return
+    gathered = block.new_empty(size * world, *block.shape[1:])
+    dist.all_gather_single(gathered, block)
+    param.copy_(gathered[:rows])
+
+
 def _narrow(tensor: Tensor, offsets: Any, lengths: Any) -> Tensor:
     for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
         tensor = tensor.narrow(dim, start, length)
@@ -51,6 +75,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         super().__init__()
         self.root, self.targets = root, targets
         self.bytes_read = 0
+        self._buffers: dict[torch.dtype, Tensor] = {}
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         """Keep the checkpoint's metadata (the state dict is unused: the targets say what to load)."""
@@ -64,7 +89,12 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             stored = self.metadata.state_dict_metadata.get(target.key)
             if stored is None:  # the files changed since the model was built
                 raise PretrainedLoadError(f"{target.key} is no longer in the checkpoint's files")
-            _, chunk = local_part(target.tensor(self.root))
+            tensor = target.tensor(self.root)
+            _, chunk = local_part(tensor)
+            if target.gather:  # this rank's block of rows of the replicated weight
+                start, stop = row_block(tensor.size(0), rank=dist.get_rank(), world=dist.get_world_size())
+                chunk = ChunkStorageMetadata(offsets=torch.Size([start, 0]),
+                                             sizes=torch.Size([stop - start, tensor.size(1)]))  # fmt: skip
             if chunk.sizes.numel() == 0:
                 continue  # an uneven split left this rank no rows
             if target.transposed:
@@ -86,8 +116,25 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata[target.key]  # type: ignore[union-attr]
         self.bytes_read += read_item.lengths.numel() * stored.properties.dtype.itemsize  # type: ignore[union-attr]
         if target.quantize or target.transposed or target.load_dtype != local.dtype:
-            return torch.empty(tuple(read_item.lengths), dtype=target.load_dtype)
+            return self._staging(read_item.lengths, self._staging_dtype(target, stored.properties.dtype))
         return _narrow(local, read_item.dest_offsets, read_item.lengths)
+
+    def _staging(self, shape: Any, dtype: torch.dtype) -> Tensor:
+        # one grow-only buffer per dtype, reused for every slice: fresh pages cost a page fault each, and the
+        # reader (thread_count=1) commits each slice before it resolves the next
+        numel = torch.Size(shape).numel()
+        buffer = self._buffers.get(dtype)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel].view(tuple(shape))
+
+    @staticmethod
+    def _staging_dtype(target: LoadTarget, stored: torch.dtype) -> torch.dtype:
+        # LLM.int8 quantizes fp16 rows; when the stored dtype is the load dtype the first cast is exact, so the
+        # slice is read straight into fp16 (one copy less, the same bits)
+        if target.quantize and stored == target.load_dtype:
+            return torch.float16
+        return target.load_dtype
 
     def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
         """Convert a staged slice into the shard (cast, transpose, quantize); a direct read is already there."""
@@ -106,10 +153,26 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             if lengths[1] != local.size(1):
                 raise PretrainedLoadError(f"{target.key}: LLM.int8 quantizes whole rows, but a read covers part of one")
             weight, scale = quantize_rows(tensor)
+            scale = scale.to(torch.float32).view(torch.int32)
+            if target.gather:  # this rank's rows go to their place in the full weight; the rest comes by all-gather
+                offsets = (row_block(local.size(0), rank=dist.get_rank(), world=dist.get_world_size())[0], 0)
             rows = slice(offsets[0], offsets[0] + lengths[0])
             local[rows].copy_(weight)
             scale_local, _ = local_part(owner.weight_scale)
-            scale_local[rows].copy_(scale.to(torch.float32).view(torch.int32))
+            scale_local[rows].copy_(scale)
+
+    def gather_blocks(self) -> None:
+        """After the read: complete every replicated int8 weight (and scale) from the row blocks the ranks
+        quantized, by all-gather, in target order on every rank."""
+        if not any(t.gather for t in self.targets):
+            return
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for target in self.targets:
+            if target.gather:
+                owner = self.root.get_submodule(target.module_path)
+                start, stop = row_block(owner.weight.size(0), rank=rank, world=world)
+                for param in (owner.weight, owner.weight_scale):
+                    _all_gather_rows(param, param[start:stop].clone(), world=world)
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         """Pretrained checkpoints hold tensors only."""

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_fsdp_plus.loading.build import PretrainedSource, check_entry, pretrained_source
 from lightning_fsdp_plus.loading.files import PretrainedLoadError
@@ -37,6 +39,9 @@ class LoadTarget:
     """Quantize rows to LLM.int8 into an ``Int8Linear`` (its ``weight`` and ``weight_scale``)."""
     transposed: bool = False
     """The checkpoint holds the transpose (transformers ``Conv1D`` weights, ``[in, out]``)."""
+    gather: bool = False
+    """A replicated weight quantized in row blocks, one per rank, then all-gathered: each rank reads and
+    quantizes 1/N of it instead of all of it."""
 
     def tensor(self, root: nn.Module) -> Tensor:
         """The model's tensor (looked up now: materialization replaces tensors)."""
@@ -89,6 +94,7 @@ def collect_targets(root: nn.Module) -> list[LoadTarget]:
     Raises :class:`PretrainedLoadError` naming every meta tensor no checkpoint tensor fills.
     """
     targets: list[LoadTarget] = []
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for host_path, host, source in deferred_models(root):
         prefix = f"{host_path}." if host_path else ""
         missing = []
@@ -114,8 +120,9 @@ def collect_targets(root: nn.Module) -> list[LoadTarget]:
             shape = tuple(tensor.shape)[::-1] if transposed else tuple(tensor.shape)
             check_entry(source.checkpoint, key, shape=shape, floating=quantize or tensor.is_floating_point())
             load_dtype = source.dtypes.get(key, tensor.dtype)
+            gather = quantize and not isinstance(tensor, DTensor) and world > 1
             targets.append(LoadTarget(key=key, module_path=owner_path, attribute=attribute, load_dtype=load_dtype,
-                                      quantize=quantize, transposed=transposed))  # fmt: skip
+                                      quantize=quantize, transposed=transposed, gather=gather))  # fmt: skip
         if missing:
             raise PretrainedLoadError(
                 f"{source.checkpoint.directory} has no weight for {', '.join(missing[:5])}"

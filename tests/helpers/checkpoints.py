@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
-"""Llama (untied), Qwen2 (q/k/v biases, uneven row split: vocab 251) and GPT-2 (Conv1D, tied embeddings)."""
+"""Llama (untied), Qwen2 (q/k/v biases; vocab 251 and MLP width 97 split unevenly over 2 ranks) and GPT-2
+(Conv1D, tied embeddings)."""
 
 
 def tiny_causal_lm(arch: str, *, seed: int = 0, tied: bool = False) -> torch.nn.Module:
@@ -20,7 +21,7 @@ def tiny_causal_lm(arch: str, *, seed: int = 0, tied: bool = False) -> torch.nn.
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
         return LlamaForCausalLM(config)
     if arch == "qwen2":
-        config = Qwen2Config(vocab_size=251, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        config = Qwen2Config(vocab_size=251, hidden_size=64, intermediate_size=97, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)  # fmt: skip
         return Qwen2ForCausalLM(config)
     if arch == "gpt2":

@@ -53,3 +53,16 @@ def failure_excerpt(output: str, *, chars: int = 6000) -> str:
     if first < 0 or first >= len(output) - chars:
         return output[-chars:]
     return f"{output[first : first + chars]}\n[...]\n{output[-chars:]}"
+
+
+def assert_case_passed(out: Path, output: str, name: str, *, ranks: int = 2) -> None:
+    """A batched launch's case ``name`` ran on every rank and passed (its ``OUT/<name>.rank<r>.json`` says so)."""
+    import json
+
+    for rank in range(ranks):
+        result = out / f"{name}.rank{rank}.json"
+        assert result.is_file(), (
+            f"{name} did not run on rank {rank} (an earlier case failed):\n{failure_excerpt(output)}"
+        )
+        record = json.loads(result.read_text())
+        assert record["ok"], f"rank {rank}:\n{record['error']}"

@@ -6,7 +6,6 @@ The launch also leaves an fsdp_plus ``full`` checkpoint, which a single-device T
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
-from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
+from tests.helpers.launch import REPO, assert_case_passed, subprocess_env
 from tests.lightning_compat.cases import CASES, TemplateModel
 
 SCRIPT = REPO / "tests" / "lightning_compat" / "cases.py"
@@ -42,13 +41,7 @@ def launch(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_lightning_case(launch, name):
     out, output = launch
-    for rank in range(2):
-        result = out / f"{name}.rank{rank}.json"
-        assert result.is_file(), (
-            f"{name} did not run on rank {rank} (an earlier case failed):\n{failure_excerpt(output)}"
-        )
-        record = json.loads(result.read_text())
-        assert record["ok"], f"rank {rank}:\n{record['error']}"
+    assert_case_passed(out, output, name)
 
 
 def test_a_full_checkpoint_resumes_on_a_single_device(launch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import ARCHITECTURES, save_checkpoint, save_mid_llama
-from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
+from tests.helpers.launch import REPO, assert_case_passed, subprocess_env
 from tests.loading.cases import CASES, EQUALITY, MODES
 
 SCRIPT = REPO / "tests" / "loading" / "cases.py"
@@ -36,13 +35,7 @@ def launch(tmp_path_factory) -> tuple[Path, str]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_loading_case(launch, name):
     out, output = launch
-    for rank in range(2):
-        result = out / f"{name}.rank{rank}.json"
-        assert result.is_file(), (
-            f"{name} did not run on rank {rank} (an earlier case failed):\n{failure_excerpt(output)}"
-        )
-        record = json.loads(result.read_text())
-        assert record["ok"], f"rank {rank}:\n{record['error']}"
+    assert_case_passed(out, output, name)
 
 
 def test_the_equality_cases_cover_every_strategy_mode_dtype_and_architecture():

@@ -110,3 +110,13 @@ def test_data_dependent_lora_init_needs_the_weights(checkpoints):
                            LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="eva"))  # fmt: skip
     with pytest.raises(ValueError, match=r"init_lora_weights='eva'.*low_memory_load=false"):
         init_meta_adapters(model)
+
+
+@pytest.mark.parametrize(("rows", "world"), [(8, 2), (97, 2), (5, 4), (3, 8), (1, 2)])
+def test_row_blocks_split_as_torch_chunk_and_dtensor_shard_do(rows, world):
+    from lightning_fsdp_plus.loading.planner import row_block
+
+    chunks = list(torch.arange(rows).chunk(world)) + [torch.arange(0)] * world  # chunk may return fewer pieces
+    for rank in range(world):
+        start, stop = row_block(rows, rank=rank, world=world)
+        assert torch.equal(torch.arange(start, stop), chunks[rank])

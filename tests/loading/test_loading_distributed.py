@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.checkpoints import ARCHITECTURES, save_checkpoint, save_mid_llama
-from tests.helpers.launch import REPO, assert_case_passed, subprocess_env
+from tests.helpers.launch import REPO, assert_case_passed, run_script, subprocess_env
 from tests.loading.cases import CASES, EQUALITY, MODES
 
 SCRIPT = REPO / "tests" / "loading" / "cases.py"
@@ -50,3 +51,12 @@ def test_the_loader_reports_what_it_loads(launch):
     _, output = launch
     assert "fsdp_plus: loading " in output and "every rank reads only its own shards" in output
     assert "this rank read" in output
+
+
+def test_spawn_hands_the_streamed_and_trained_weights_to_the_main_process(tmp_path):
+    save_checkpoint(tmp_path / "llama", "llama")
+    run_script(REPO / "tests" / "loading" / "spawn_fit.py", "--checkpoint", str(tmp_path / "llama"), "--out",
+               str(tmp_path))  # fmt: skip
+    result = json.loads((tmp_path / "spawn.json").read_text())
+    assert result["meta_left"] == [] and result["missing"] == [] and result["different"] == []
+    assert result["int8_layers"] == 14  # 2 layers x 7 projections, int8 in the main process as in the workers

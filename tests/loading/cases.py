@@ -296,6 +296,24 @@ def error_file_broken(out: Path, checkpoints: Path) -> dict[str, Any]:
     return {"message": message}
 
 
+@case("error__missing_shard_stops_every_rank_before_training")
+def error_missing_shard(out: Path, checkpoints: Path) -> dict[str, Any]:
+    path = out / "incomplete"
+    if rank() == 0:
+        shutil.copytree(checkpoints / "qwen2_bf16", path)
+        sorted(path.glob("model-*.safetensors"))[-1].unlink()  # an interrupted download
+    dist.barrier()
+    try:
+        CausalLMModule.from_pretrained(str(path))
+    except PretrainedLoadError as err:
+        message = str(err)
+    else:
+        raise AssertionError("the checkpoint was accepted")
+    assert "model.safetensors.index.json names model-0000" in message and "does not exist" in message, message
+    dist.barrier()  # both ranks got here: each raised on its own, nobody waits in a collective
+    return {"message": message}
+
+
 # ------------------------------------------------------------------------------------------------ runner
 def main() -> None:
     parser = argparse.ArgumentParser()

@@ -4,7 +4,8 @@ DCP's documented extension point: the plan asks the storage reader (``HuggingFac
 ``safe_open(...).get_slice(key)[rows]``) for exactly this rank's slice of each target; ``resolve_tensor`` hands
 it the destination — the shard itself when nothing needs converting, else a staging buffer of that slice only —
 and ``commit_tensor`` converts the buffer into the shard (a second dtype cast, a transpose, LLM.int8 quantization
-of the rows) and lets it go. A rank never holds more than its shards plus one slice.
+of the rows) and lets it go. A rank never holds more than its shards plus one slice. A replicated int8 weight is
+quantized in row blocks (each rank its own) and completed by an all-gather after the read (``gather_blocks``).
 """
 
 from __future__ import annotations

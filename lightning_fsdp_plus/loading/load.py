@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_fsdp_plus.loading.files import PretrainedLoadError, read_checkpoint, storage_reader
 from lightning_fsdp_plus.loading.planner import StreamingLoadPlanner
-from lightning_fsdp_plus.loading.targets import collect_targets, deferred_models
+from lightning_fsdp_plus.loading.targets import deferred_models, host_targets
 
 
 @dataclass(frozen=True)
@@ -91,14 +91,13 @@ def load_pretrained_weights(
         return None
     import torch.distributed.checkpoint as dcp
 
-    targets = collect_targets(model)  # while still on meta: names and shapes are checked before anything is read
-    materialize_meta(model, device=torch.device(device))
     hosts = deferred_models(model)
+    # while still on meta: names and shapes are checked before anything is read
+    per_host = [(source, host_targets(model, path, host, source)) for path, host, source in hosts]
+    materialize_meta(model, device=torch.device(device))
     started = time.perf_counter()
     bytes_read = 0
-    for host_path, _, source in hosts:
-        prefix = f"{host_path}." if host_path else ""
-        own = [t for t in targets if (t.module_path + ".").startswith(prefix)] if prefix else targets
+    for source, own in per_host:
         report(f"fsdp_plus: loading {source.name_or_path} ({len(source.checkpoint.files)} safetensors file(s),"
                f" {_size(source.checkpoint.nbytes)}); every rank reads only its own shards")  # fmt: skip
         planner = StreamingLoadPlanner(model, own)
@@ -115,7 +114,7 @@ def load_pretrained_weights(
         files=sum(len(source.checkpoint.files) for _, _, source in hosts),
         checkpoint_bytes=sum(source.checkpoint.nbytes for _, _, source in hosts),
         bytes_read=bytes_read,
-        tensors=len(targets),
+        tensors=sum(len(own) for _, own in per_host),
         seconds=time.perf_counter() - started,
     )
     report(summary.message())

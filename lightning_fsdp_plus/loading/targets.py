@@ -89,44 +89,48 @@ def _owned_tensors(host: nn.Module) -> dict[int, list[tuple[str, Tensor]]]:
 
 
 def collect_targets(root: nn.Module) -> list[LoadTarget]:
-    """The load targets of every deferred model inside ``root``; call while its weights are still on meta.
+    """The load targets of every deferred model inside ``root``; call while its weights are still on meta."""
+    return [t for host_path, host, source in deferred_models(root) for t in host_targets(root, host_path, host, source)]
+
+
+def host_targets(root: nn.Module, host_path: str, host: nn.Module, source: PretrainedSource) -> list[LoadTarget]:
+    """The load targets of one deferred model (at ``host_path`` in ``root``), read from ``source``.
 
     Raises :class:`PretrainedLoadError` naming every meta tensor no checkpoint tensor fills.
     """
     targets: list[LoadTarget] = []
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    for host_path, host, source in deferred_models(root):
-        prefix = f"{host_path}." if host_path else ""
-        missing = []
-        for named in _owned_tensors(host).values():
-            name, tensor = named[0]
-            owner_path, _, attribute = (prefix + name).rpartition(".")
-            owner = root.get_submodule(owner_path)
-            if isinstance(owner, Int8Linear) and attribute == "weight_scale":
-                continue  # filled together with the weight
-            aliases = [k for k in dict.fromkeys(checkpoint_key(n) for n, _ in named) if k is not None]
-            if not aliases:  # a LoRA adapter: PEFT initialized it, unless it was left on meta
-                if tensor.is_meta:
-                    missing.append(f"{prefix}{name} (a LoRA adapter on the meta device)")
-                continue
-            present = [k for k in aliases if k in source.checkpoint.tensors]
-            if not present:
-                if tensor.is_meta:
-                    missing.append(" = ".join(prefix + n for n, _ in named))
-                continue  # a persistent buffer the checkpoint lacks keeps its built value
-            key = present[0]
-            quantize = isinstance(owner, Int8Linear) and attribute == "weight"
-            transposed = quantize and owner.source_layout == "conv1d"
-            shape = tuple(tensor.shape)[::-1] if transposed else tuple(tensor.shape)
-            check_entry(source.checkpoint, key, shape=shape, floating=quantize or tensor.is_floating_point())
-            load_dtype = source.dtypes.get(key, tensor.dtype)
-            gather = quantize and not isinstance(tensor, DTensor) and world > 1
-            targets.append(LoadTarget(key=key, module_path=owner_path, attribute=attribute, load_dtype=load_dtype,
-                                      quantize=quantize, transposed=transposed, gather=gather))  # fmt: skip
-        if missing:
-            raise PretrainedLoadError(
-                f"{source.checkpoint.directory} has no weight for {', '.join(missing[:5])}"
-                f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}: these tensors would stay"
-                " uninitialized. Add them to the checkpoint, or build them outside the deferred model"
-            )
+    prefix = f"{host_path}." if host_path else ""
+    missing = []
+    for named in _owned_tensors(host).values():
+        name, tensor = named[0]
+        owner_path, _, attribute = (prefix + name).rpartition(".")
+        owner = root.get_submodule(owner_path)
+        if isinstance(owner, Int8Linear) and attribute == "weight_scale":
+            continue  # filled together with the weight
+        aliases = [k for k in dict.fromkeys(checkpoint_key(n) for n, _ in named) if k is not None]
+        if not aliases:  # a LoRA adapter: PEFT initialized it, unless it was left on meta
+            if tensor.is_meta:
+                missing.append(f"{prefix}{name} (a LoRA adapter on the meta device)")
+            continue
+        present = [k for k in aliases if k in source.checkpoint.tensors]
+        if not present:
+            if tensor.is_meta:
+                missing.append(" = ".join(prefix + n for n, _ in named))
+            continue  # a persistent buffer the checkpoint lacks keeps its built value
+        key = present[0]
+        quantize = isinstance(owner, Int8Linear) and attribute == "weight"
+        transposed = quantize and owner.source_layout == "conv1d"
+        shape = tuple(tensor.shape)[::-1] if transposed else tuple(tensor.shape)
+        check_entry(source.checkpoint, key, shape=shape, floating=quantize or tensor.is_floating_point())
+        load_dtype = source.dtypes.get(key, tensor.dtype)
+        gather = quantize and not isinstance(tensor, DTensor) and world > 1
+        targets.append(LoadTarget(key=key, module_path=owner_path, attribute=attribute, load_dtype=load_dtype,
+                                  quantize=quantize, transposed=transposed, gather=gather))  # fmt: skip
+    if missing:
+        raise PretrainedLoadError(
+            f"{source.checkpoint.directory} has no weight for {', '.join(missing[:5])}"
+            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}: these tensors would stay"
+            " uninitialized. Add them to the checkpoint, or build them outside the deferred model"
+        )
     return targets

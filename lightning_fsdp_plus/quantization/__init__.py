@@ -1,5 +1,6 @@
-"""8-bit base weights that FSDP2 can shard."""
+"""8-bit and 4-bit base weights that FSDP2 can shard."""
 
+from lightning_fsdp_plus.quantization.fourbit import BLOCKSIZES, FOUR_BIT_TYPES, FourBitLinear, check_four_bit
 from lightning_fsdp_plus.quantization.int8 import (
     QUANTIZABLE,
     Int8Linear,
@@ -14,9 +15,13 @@ QUANTIZE_CHOICES = ("int8",)
 """Values ``quantize_base`` accepts (besides ``None``)."""
 
 __all__ = [
+    "BLOCKSIZES",
+    "FOUR_BIT_TYPES",
     "QUANTIZABLE",
     "QUANTIZE_CHOICES",
+    "FourBitLinear",
     "Int8Linear",
+    "check_four_bit",
     "check_quantize_base",
     "convert_to_int8",
     "frozen_layer_types",

@@ -87,11 +87,18 @@ class FSDPPlusOptions:
     (any ``LoraConfig`` field); ``None`` if the LightningModule applies PEFT itself."""
     quantize_base: str | None = None
     """``"int8"``: every frozen linear layer outside LoRA adapters and ``quantize_skip`` becomes an LLM.int8
-    ``Int8Linear`` (bitsandbytes kernels); ``None`` keeps the base as it is."""
+    ``Int8Linear``; ``"nf4"`` / ``"fp4"``: a 4-bit ``FourBitLinear`` (QLoRA; bitsandbytes kernels, packed 4-bit
+    sharded by rows); ``None`` keeps the base as it is."""
     quantize_skip: tuple[str, ...] = ("lm_head",)
     """Module names or ``fnmatch`` path patterns left unquantized."""
     int8_threshold: float = 6.0
     """LLM.int8 outlier threshold for newly quantized layers (bitsandbytes' ``threshold``; 0 disables it)."""
+    quantize_blocksize: int = 64
+    """4-bit: values per quantization block (32 ... 4096); must divide every quantized layer's ``in_features``, so
+    that each block lies inside one row (FSDP2 shards rows)."""
+    quantize_double: bool = False
+    """4-bit: quantize the per-block absmax values again (QLoRA's double quantization, transformers'
+    ``bnb_4bit_use_double_quant``); its second-level statistics are replicated (4 bytes per 16,384 weights)."""
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Checkpoint format: ``sharded`` (a torch.distributed.checkpoint directory, loadable at any world size) or
     ``full`` (one consolidated file written by rank 0)."""
@@ -150,10 +157,13 @@ class FSDPPlusOptions:
 
     def _set_lora_and_quantization(self) -> None:
         from lightning_fsdp_plus.lora import make_lora_config
-        from lightning_fsdp_plus.quantization import check_quantize_base
+        from lightning_fsdp_plus.quantization import FOUR_BIT_TYPES, check_four_bit, check_quantize_base
 
         self._set("lora", make_lora_config(self.lora))
         check_quantize_base(self.quantize_base)
+        _check_bool(self.quantize_double, key="quantize_double")
+        if self.quantize_base in FOUR_BIT_TYPES:
+            check_four_bit(quant_type=self.quantize_base, blocksize=self.quantize_blocksize)
         if isinstance(self.quantize_skip, str) or not isinstance(self.quantize_skip, Sequence):
             raise ValueError(f"quantize_skip={self.quantize_skip!r} must be a list of module names or patterns")
         self._set("quantize_skip", tuple(self.quantize_skip))

@@ -26,9 +26,14 @@ from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_pl
 from lightning_fsdp_plus.policies import resolve_module_classes, select_unit_paths
 from lightning_fsdp_plus.precision import mixed_precision_policy
 from lightning_fsdp_plus.quantization import (
+    FOUR_BIT_TYPES,
     QUANTIZABLE,
+    FourBitLinear,
     Int8Linear,
+    check_four_bit_layers,
+    convert_to_4bit,
     convert_to_int8,
+    four_bit_candidates,
     frozen_layer_types,
     int8_candidates,
 )
@@ -36,7 +41,7 @@ from lightning_fsdp_plus.sharding import apply_sharding_plan
 
 
 def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
-    """Stage 1: apply LoRA if configured, and check what LoRA-only sharding and int8 need (idempotent).
+    """Stage 1: apply LoRA if configured, and check what LoRA-only sharding and quantization need (idempotent).
 
     LoRA adapters on the meta device (PEFT applied to a deferred pretrained model) are initialized here, with the
     same values on every rank, before anything is sharded.
@@ -46,21 +51,31 @@ def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
     init_meta_adapters(model)
     if options.lora_only:
         check_trainable(model)
-    already = any(isinstance(m, Int8Linear) for m in model.modules())
-    if options.quantize_base == "int8" and not already and not int8_candidates(model, skip=options.quantize_skip):
+    kind = options.quantize_base
+    if kind is None or any(isinstance(m, (Int8Linear, FourBitLinear)) for m in model.modules()):
+        return
+    four_bit = kind in FOUR_BIT_TYPES
+    candidates = four_bit_candidates if four_bit else int8_candidates
+    if not candidates(model, skip=options.quantize_skip):
         raise ValueError(
-            f"quantize_base='int8' found no frozen layer it converts ({', '.join(QUANTIZABLE)}) outside LoRA adapters"
-            f" and quantize_skip={list(options.quantize_skip)}; layer types with frozen weights here:"
+            f"quantize_base={kind!r} found no frozen layer it converts ({', '.join(QUANTIZABLE)}) outside LoRA"
+            f" adapters and quantize_skip={list(options.quantize_skip)}; layer types with frozen weights here:"
             f" {frozen_layer_types(model) or 'none (nothing is frozen)'}. Freeze the base (e.g. apply LoRA) or set"
             " quantize_base=None"
         )
+    if four_bit:  # blocks must lie inside rows: refused here, before any process group exists
+        check_four_bit_layers(model, skip=options.quantize_skip, blocksize=options.quantize_blocksize)
 
 
 def quantize_model(model: nn.Module, options: FSDPPlusOptions) -> list[str]:
-    """Stage 2: frozen linear layers become ``Int8Linear`` (from float weights, or empty ones on meta)."""
-    if options.quantize_base != "int8":
-        return []
-    return convert_to_int8(model, skip=options.quantize_skip, threshold=options.int8_threshold)
+    """Stage 2: frozen linear layers become ``Int8Linear`` or ``FourBitLinear`` (from float weights, or empty ones
+    on meta)."""
+    if options.quantize_base == "int8":
+        return convert_to_int8(model, skip=options.quantize_skip, threshold=options.int8_threshold)
+    if options.quantize_base in FOUR_BIT_TYPES:
+        return convert_to_4bit(model, quant_type=options.quantize_base, blocksize=options.quantize_blocksize,
+                               double_quant=options.quantize_double, skip=options.quantize_skip)  # fmt: skip
+    return []
 
 
 def replicated_params(model: nn.Module, options: FSDPPlusOptions) -> set[nn.Parameter]:
@@ -152,7 +167,8 @@ def build_sharded_model(
     prepare_model(model, options)
     converted = quantize_model(model, options)
     if converted:
-        report(f"fsdp_plus: {len(converted)} frozen linear layers now int8 (LLM.int8)")
+        kind = "int8 (LLM.int8)" if options.quantize_base == "int8" else f"4-bit {options.quantize_base}"
+        report(f"fsdp_plus: {len(converted)} frozen linear layers now {kind}")
     model = precision.convert_module(model)
     if options.sync_module_states:
         sync_module_states(model, device=device)

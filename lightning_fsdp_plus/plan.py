@@ -127,10 +127,10 @@ class ParamInfo:
 
     @property
     def kind(self) -> str:
-        """``trainable``, ``frozen`` or ``int8`` (frozen integer storage)."""
+        """``trainable``, ``frozen``, ``int8`` (LLM.int8 weights) or ``4bit`` (packed NF4/FP4 weights, two per byte)."""
         if self.trainable:
             return "trainable"
-        return "int8" if self.dtype == torch.int8 else "frozen"
+        return {torch.int8: "int8", torch.uint8: "4bit"}.get(self.dtype, "frozen")
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class FSDPUnit:
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        """Distinct parameter kinds (trainable / frozen / int8), sorted."""
+        """Distinct parameter kinds (trainable / frozen / int8 / 4bit), sorted."""
         return tuple(sorted({p.kind for p in self.params}))
 
 

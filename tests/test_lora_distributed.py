@@ -3,9 +3,11 @@
 LoRA on q/k/v/o/gate/up/down of a Llama whose linear layers dominate, 20 SGD steps on a fixed batch:
 - ``lora_int8_replicated``: the module applies PEFT; ``lora_only=True, quantize_base="int8"``;
 - ``lora_int8_sharded``: the strategy applies LoRA from its config; ``lora_only=False, quantize_base="int8"``;
-- ``lora_bf16_replicated``: ``lora_only=True`` without quantization in ``bf16-true`` (the base to beat).
-The single-process reference runs the same int8 model on the same global batch, each rank's half forwarded
-separately (LLM.int8 decomposes outliers per batch). It agrees to 1e-5 (measured: exactly).
+- ``lora_bf16_replicated``: ``lora_only=True`` without quantization in ``bf16-true`` (the base to beat);
+- ``lora_nf4_replicated`` / ``lora_nf4_sharded``: the same two modes over a 4-bit NF4 base (QLoRA).
+The single-process int8 reference runs the same int8 model on the same global batch, each rank's half forwarded
+separately (LLM.int8 decomposes outliers per batch). It agrees to 1e-5 (measured: exactly). The NF4 reference is
+bitsandbytes' own ``Linear4bit`` + PEFT LoRA in one process; it agrees exactly.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from tests.helpers.models import (
     lora_llama,
     make_optimizer,
     tiny_llama,
+    train_lora_4bit_reference,
     train_lora_int8_reference,
 )
 
 INT8_CASES = ["lora_int8_replicated", "lora_int8_sharded"]
+NF4_CASES = ["lora_nf4_replicated", "lora_nf4_sharded"]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +118,33 @@ def test_int8_scales_survive_a_bf16_param_policy(strategy_runs):
     losses = load_case(strategy_runs[0], "lora_int8_sharded").rank0["losses"]
     assert max(abs(a - b) for a, b in zip(result.rank0["losses"], losses, strict=True)) < 0.05
     assert result.rank0["losses"][-1] < 0.9 * result.rank0["losses"][0]
+
+
+@pytest.fixture(scope="module")
+def qlora_reference():
+    return train_lora_4bit_reference(steps=20, lr=0.5)
+
+
+@pytest.mark.parametrize("case", NF4_CASES)
+def test_lora_nf4_equals_bitsandbytes_linear4bit_with_peft_in_one_process(strategy_runs, qlora_reference, case):
+    result = load_case(strategy_runs[0], case)
+    losses, lora = qlora_reference
+    assert result.rank0["losses"] == losses  # identical: the same kernels on the same bytes
+    assert all(torch.equal(result.state[f"model.{k}"], v) for k, v in lora.items())
+    assert result.rank0["losses"][-1] < 0.9 * result.rank0["losses"][0]
+    assert {"torch.uint8", "torch.int32"} <= set(result.rank0["frozen_dtypes"])
+    assert all(rank["frozen_with_grad"] == 0 for rank in result.ranks)
+
+
+def test_nf4_base_bytes_per_rank(strategy_runs):
+    out = strategy_runs[0]
+    base = {c: [r["base_linear_bytes"] for r in load_case(out, c).ranks]
+            for c in (*NF4_CASES, "lora_bf16_replicated")}  # fmt: skip
+    linear = 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)  # the quantized projections' weights
+    assert base["lora_nf4_replicated"][0] == linear // 2 + linear // 64 * 4  # packed 4-bit + one fp32 absmax / 64
+    for rank in range(2):
+        sharded, replicated, bf16 = (base[c][rank] for c in (*NF4_CASES[::-1], "lora_bf16_replicated"))
+        assert sharded <= 0.55 * replicated
+        assert sharded <= 0.16 * bf16
+    sharded_plan = load_case(out, "lora_nf4_sharded").rank0["plan"]
+    assert not sharded_plan["replicated"] and load_case(out, "lora_nf4_replicated").rank0["plan"]["replicated"]

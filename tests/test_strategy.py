@@ -105,10 +105,13 @@ def test_unknown_classes_fail_in_fit_before_any_process_starts(strategy, message
 
 
 def test_lora_and_int8_argument_errors_at_construction(monkeypatch):
-    with pytest.raises(ValueError, match="quantize_base='nf4' is not supported yet"):
-        FSDPPlusStrategy(quantize_base="nf4")
-    with pytest.raises(ValueError, match="quantize_base='int4' is not supported yet"):
+    with pytest.raises(ValueError, match="quantize_base='int4' is not one of None, int8, nf4, fp4"):
         FSDPPlusStrategy(quantize_base="int4")
+    with pytest.raises(ValueError, match="quantize_blocksize=100 is not one of 32, 64"):
+        FSDPPlusStrategy(quantize_base="nf4", quantize_blocksize=100)
+    with pytest.raises(ValueError, match="quantize_double='yes' must be true or false"):
+        FSDPPlusStrategy(quantize_base="nf4", quantize_double="yes")
+    assert FSDPPlusStrategy(quantize_base="fp4", quantize_double=True).quantize_double is True
     with pytest.raises(ValueError, match="quantize_skip='lm_head' must be a list"):
         FSDPPlusStrategy(quantize_skip="lm_head")
     with pytest.raises(ValueError, match=r"lora: .*valid keys"):
@@ -116,6 +119,8 @@ def test_lora_and_int8_argument_errors_at_construction(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ImportError, match="quantize_base='int8' needs bitsandbytes"):
         FSDPPlusStrategy(quantize_base="int8")
+    with pytest.raises(ImportError, match="quantize_base='nf4' needs bitsandbytes"):
+        FSDPPlusStrategy(quantize_base="nf4")
 
 
 @pytest.mark.parametrize(
@@ -127,8 +132,11 @@ def test_lora_and_int8_argument_errors_at_construction(monkeypatch):
          "lora_only=True shards the trainable .* but the model has none"),
         (lambda: FSDPPlusStrategy(quantize_base="int8"), lambda: TinyLM(),
          r"quantize_base='int8' found no frozen layer it converts \(nn.Linear, transformers Conv1D, bitsandbytes "
-         r"Linear8bitLt\) outside LoRA adapters and quantize_skip=\['lm_head'\]; layer types with frozen weights "
-         r"here: none \(nothing is frozen\)"),
+         r"Linear8bitLt / Linear4bit\) outside LoRA adapters and quantize_skip=\['lm_head'\]; layer types with "
+         r"frozen weights here: none \(nothing is frozen\)"),
+        (lambda: FSDPPlusStrategy(lora={"r": 4}, quantize_base="nf4"), lambda: CausalLMModule(tiny_llama(0)),
+         r"model.base_model.model.model.layers.0.self_attn.q_proj.base_layer has in_features=32, not a multiple of "
+         r"quantize_blocksize=64: its 4-bit blocks would straddle rows"),
     ],
 )  # fmt: skip
 def test_lora_and_int8_model_errors_fail_in_fit_before_any_process_starts(strategy, make_module, message):

@@ -106,7 +106,7 @@ def load_pretrained_weights(
         except dcp.CheckpointException as err:  # raised on every rank, whichever failed
             _recheck_files(source.checkpoint.directory, err)
             raise PretrainedLoadError(_first_failure(err, source.name_or_path)) from err
-        planner.gather_blocks()
+        planner.finish()
         bytes_read += planner.bytes_read
     release_free_memory()
     summary = LoadSummary(

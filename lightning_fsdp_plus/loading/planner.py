@@ -5,7 +5,7 @@ DCP's documented extension point: the plan asks the storage reader (``HuggingFac
 it the destination — the shard itself when nothing needs converting, else a staging buffer of that slice only —
 and ``commit_tensor`` converts the buffer into the shard (a second dtype cast, a transpose, LLM.int8 quantization
 of the rows) and lets it go. A rank never holds more than its shards plus one slice. A replicated int8 weight is
-quantized in row blocks (each rank its own) and completed by an all-gather after the read (``gather_blocks``).
+quantized in row blocks (each rank its own) and completed by an all-gather after the read (``finish``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp_plus.loading.files import PretrainedLoadError
 from lightning_fsdp_plus.loading.targets import LoadTarget
-from lightning_fsdp_plus.quantization import quantize_rows
+from lightning_fsdp_plus.quantization import FourBitLinear, Int8Linear, quantize_rows
 
 
 def local_part(tensor: Tensor) -> tuple[Tensor, ChunkStorageMetadata]:
@@ -56,6 +56,23 @@ def _all_gather_rows(param: Tensor, block: Tensor, *, world: int) -> None:
     gathered = block.new_empty(size * world, *block.shape[1:])
     dist.all_gather_single(gathered, block)
     param.copy_(gathered[:rows])
+
+
+ROW_TENSORS = {Int8Linear: ("weight", "weight_scale"), FourBitLinear: ("weight", "weight_absmax")}
+"""The tensors of a quantized layer that hold one row (or row of blocks) per output feature."""
+
+
+def quantized_rows(layer: nn.Module, rows: Tensor) -> dict[str, Tensor]:
+    """A block of float weight rows quantized as ``layer`` stores them, by tensor name (rows quantize on their own:
+    LLM.int8 per row; 4-bit per block, and blocks lie inside rows)."""
+    if isinstance(layer, Int8Linear):
+        weight, scale = quantize_rows(rows)
+        return {"weight": weight, "weight_scale": scale.to(torch.float32).view(torch.int32)}
+    from bitsandbytes.functional import quantize_4bit
+
+    packed, state = quantize_4bit(rows.contiguous(), blocksize=layer.blocksize, quant_type=layer.quant_type)
+    absmax = state.absmax.to(torch.float32).view(torch.int32).reshape(rows.size(0), -1)
+    return {"weight": packed.reshape(rows.size(0), -1), "weight_absmax": absmax}
 
 
 def _narrow(tensor: Tensor, offsets: Any, lengths: Any) -> Tensor:
@@ -94,8 +111,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             _, chunk = local_part(tensor)
             if target.gather:  # this rank's block of rows of the replicated weight
                 start, stop = row_block(tensor.size(0), rank=dist.get_rank(), world=dist.get_world_size())
-                chunk = ChunkStorageMetadata(offsets=torch.Size([start, 0]),
-                                             sizes=torch.Size([stop - start, tensor.size(1)]))  # fmt: skip
+                chunk = ChunkStorageMetadata(offsets=torch.Size([start, 0]), sizes=torch.Size([stop - start, 1]))
+            if target.quantize:  # whole float rows, however the quantized layer packs them
+                in_features = self.root.get_submodule(target.module_path).in_features
+                chunk = ChunkStorageMetadata(offsets=torch.Size([chunk.offsets[0], 0]),
+                                             sizes=torch.Size([chunk.sizes[0], in_features]))  # fmt: skip
             if chunk.sizes.numel() == 0:
                 continue  # an uneven split left this rank no rows
             if target.transposed:
@@ -129,11 +149,11 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             buffer = self._buffers[dtype] = torch.empty(numel, dtype=dtype)
         return buffer[:numel].view(tuple(shape))
 
-    @staticmethod
-    def _staging_dtype(target: LoadTarget, stored: torch.dtype) -> torch.dtype:
+    def _staging_dtype(self, target: LoadTarget, stored: torch.dtype) -> torch.dtype:
         # LLM.int8 quantizes fp16 rows; when the stored dtype is the load dtype the first cast is exact, so the
-        # slice is read straight into fp16 (one copy less, the same bits)
-        if target.quantize and stored == target.load_dtype:
+        # slice is read straight into fp16 (one copy less, the same bits). 4-bit quantizes the load dtype itself.
+        int8 = isinstance(self.root.get_submodule(target.module_path), Int8Linear)
+        if target.quantize and int8 and stored == target.load_dtype:
             return torch.float16
         return target.load_dtype
 
@@ -145,26 +165,32 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         offsets, lengths = tuple(read_item.dest_offsets), tuple(read_item.lengths)
         if target.transposed:
             tensor, offsets, lengths = tensor.t(), offsets[::-1], lengths[::-1]
-        if tensor.data_ptr() == _narrow(local, offsets, lengths).data_ptr() and not target.quantize:
+        if not target.quantize and tensor.data_ptr() == _narrow(local, offsets, lengths).data_ptr():
             return  # read straight into the shard
         with torch.no_grad():
             if not target.quantize:
                 _narrow(local, offsets, lengths).copy_(tensor)
                 return
-            if lengths[1] != local.size(1):
-                raise PretrainedLoadError(f"{target.key}: LLM.int8 quantizes whole rows, but a read covers part of one")
-            weight, scale = quantize_rows(tensor)
-            scale = scale.to(torch.float32).view(torch.int32)
+            if lengths[1] != owner.in_features:
+                raise PretrainedLoadError(f"{target.key}: quantization needs whole rows, but a read covers part of one")
             if target.gather:  # this rank's rows go to their place in the full weight; the rest comes by all-gather
                 offsets = (row_block(local.size(0), rank=dist.get_rank(), world=dist.get_world_size())[0], 0)
             rows = slice(offsets[0], offsets[0] + lengths[0])
-            local[rows].copy_(weight)
-            scale_local, _ = local_part(owner.weight_scale)
-            scale_local[rows].copy_(scale)
+            for name, value in quantized_rows(owner, tensor).items():
+                destination, _ = local_part(getattr(owner, name))
+                destination[rows].copy_(value)
 
-    def gather_blocks(self) -> None:
-        """After the read: complete every replicated int8 weight (and scale) from the row blocks the ranks
-        quantized, by all-gather, in target order on every rank."""
+    def finish(self) -> None:
+        """After the read, on every rank: 4-bit layers get their type's 16 levels (``quant_map``; a rank may have
+        read no row of a layer), and every replicated quantized weight is completed from the row blocks the ranks
+        quantized, by all-gather, in target order."""
+        from bitsandbytes.functional import get_4bit_type
+
+        for target in self.targets:
+            owner = self.root.get_submodule(target.module_path)
+            if target.quantize and isinstance(owner, FourBitLinear):
+                levels = get_4bit_type(owner.quant_type, device=owner.quant_map.device)
+                owner.quant_map.copy_(levels.to(torch.float32).view(torch.int32))
         if not any(t.gather for t in self.targets):
             return
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -172,7 +198,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
             if target.gather:
                 owner = self.root.get_submodule(target.module_path)
                 start, stop = row_block(owner.weight.size(0), rank=rank, world=world)
-                for param in (owner.weight, owner.weight_scale):
+                for name in ROW_TENSORS[type(owner)]:
+                    param = getattr(owner, name)
                     _all_gather_rows(param, param[start:stop].clone(), world=world)
 
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:

@@ -2,8 +2,9 @@
 
 Names are mapped from the module to the checkpoint: the path of the deferred transformers model inside the
 LightningModule is dropped, and so are PEFT's wrappers (``base_layer``, ``original_module``,
-``modules_to_save.<adapter>``); LoRA adapters are not in the checkpoint. An ``Int8Linear``'s ``weight`` is
-filled from the float weight of the same name (quantized while loading) and its ``weight_scale`` with it.
+``modules_to_save.<adapter>``); LoRA adapters are not in the checkpoint. An ``Int8Linear``'s or
+``FourBitLinear``'s ``weight`` is filled from the float weight of the same name (quantized while loading) and its
+statistics with it.
 Tied tensors (e.g. embeddings and ``lm_head``) are one target whichever of their names the checkpoint holds.
 """
 
@@ -18,7 +19,10 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp_plus.loading.build import PretrainedSource, check_entry, pretrained_source
 from lightning_fsdp_plus.loading.files import PretrainedLoadError
-from lightning_fsdp_plus.quantization import Int8Linear
+from lightning_fsdp_plus.quantization import FourBitLinear, Int8Linear
+
+QUANTIZED = (Int8Linear, FourBitLinear)
+"""Layers whose ``weight`` is quantized from the checkpoint's float weight while loading."""
 
 _PEFT_WRAPPERS = ("base_layer", "original_module")
 
@@ -36,7 +40,8 @@ class LoadTarget:
     load_dtype: torch.dtype
     """dtype the weight is first converted to (the model's as built), before the tensor's own dtype."""
     quantize: bool = False
-    """Quantize rows to LLM.int8 into an ``Int8Linear`` (its ``weight`` and ``weight_scale``)."""
+    """Quantize rows into an ``Int8Linear`` (``weight``, ``weight_scale``) or a ``FourBitLinear`` (``weight``,
+    ``weight_absmax``, ``quant_map``)."""
     transposed: bool = False
     """The checkpoint holds the transpose (transformers ``Conv1D`` weights, ``[in, out]``)."""
     gather: bool = False
@@ -106,8 +111,14 @@ def host_targets(root: nn.Module, host_path: str, host: nn.Module, source: Pretr
         name, tensor = named[0]
         owner_path, _, attribute = (prefix + name).rpartition(".")
         owner = root.get_submodule(owner_path)
-        if isinstance(owner, Int8Linear) and attribute == "weight_scale":
-            continue  # filled together with the weight
+        if isinstance(owner, QUANTIZED) and attribute != "weight" and attribute != "bias":
+            continue  # statistics: filled together with the weight
+        if isinstance(owner, FourBitLinear) and owner.double_quant:
+            raise PretrainedLoadError(
+                f"{owner_path}: quantize_double=True needs every row's statistics at once (their mean and their"
+                " 256-value blocks span rows and shards), which streaming loading never holds. Set quantize_double"
+                " to false, or load with model.low_memory_load=false"
+            )
         aliases = [k for k in dict.fromkeys(checkpoint_key(n) for n, _ in named) if k is not None]
         if not aliases:  # a LoRA adapter: PEFT initialized it, unless it was left on meta
             if tensor.is_meta:
@@ -119,9 +130,10 @@ def host_targets(root: nn.Module, host_path: str, host: nn.Module, source: Pretr
                 missing.append(" = ".join(prefix + n for n, _ in named))
             continue  # a persistent buffer the checkpoint lacks keeps its built value
         key = present[0]
-        quantize = isinstance(owner, Int8Linear) and attribute == "weight"
+        quantize = isinstance(owner, QUANTIZED) and attribute == "weight"
         transposed = quantize and owner.source_layout == "conv1d"
-        shape = tuple(tensor.shape)[::-1] if transposed else tuple(tensor.shape)
+        shape = (owner.out_features, owner.in_features) if quantize else tuple(tensor.shape)
+        shape = shape[::-1] if transposed else shape
         check_entry(source.checkpoint, key, shape=shape, floating=quantize or tensor.is_floating_point())
         load_dtype = source.dtypes.get(key, tensor.dtype)
         gather = quantize and not isinstance(tensor, DTensor) and world > 1

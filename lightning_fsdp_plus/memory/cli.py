@@ -147,7 +147,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         f"{model.source}: {model.total_params:,} parameters, {model.trainable_params:,} trainable;"
         f" {args.precision}, {args.optimizer}"
         + (f", LoRA r={args.lora_rank}" if lora else "")
-        + (", int8 base" if args.quantize_base else "")
+        + (f", {args.quantize_base} base" if args.quantize_base else "")
         + (", frozen base replicated" if args.lora_only else "")
         + (", CPU offload" if args.cpu_offload else "")
         + (", activation checkpointing" if args.activation_checkpointing else "")

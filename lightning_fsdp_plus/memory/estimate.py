@@ -61,7 +61,7 @@ class ModelDescription:
 
     @property
     def total_params(self) -> int:
-        """All parameter elements (int8 weights and their scales included)."""
+        """All stored parameter elements (int8 weights and scales included; a packed 4-bit byte holds two weights)."""
         return sum(p.numel for p in self._all())
 
     @property
@@ -249,7 +249,8 @@ def describe_param_count(
 ) -> ModelDescription:
     """A model known only by its size: one block of ``params`` elements, ``trainable_fraction`` of them train.
 
-    With ``quantize_base="int8"`` the frozen part is int8 (scales ignored: < 0.1% for hidden sizes ≥ 4096).
+    With ``quantize_base="int8"`` the frozen part is int8 (scales ignored: < 0.1% for hidden sizes ≥ 4096); with
+    ``"nf4"``/``"fp4"`` it is packed 4-bit plus one fp32 absmax per 64 values (``quantize_blocksize``'s default).
     """
     if isinstance(params, bool) or not isinstance(params, (int, float)) or not params >= 1:
         raise EstimateError(f"params={params!r} must be a positive number of parameters (e.g. 7.5e9)")
@@ -257,17 +258,25 @@ def describe_param_count(
         raise EstimateError(f"trainable_fraction={trainable_fraction!r} must be between 0 and 1")
     total = int(params)
     trainable = round(total * trainable_fraction)
-    frozen_dtype = torch.int8 if quantize_base == "int8" else torch.float32
     infos = [ParamInfo("trainable", (trainable,), torch.float32, True, True, 0)] if trainable else []
-    frozen = (
-        [ParamInfo("frozen", (total - trainable,), frozen_dtype, False, not lora_only, 0)] if trainable < total else []
-    )
+    frozen = _frozen_infos(total - trainable, quantize_base=quantize_base, sharded=not lora_only)
     return ModelDescription(
         units=(tuple(infos + ([] if lora_only else frozen)),),
         replicated=tuple(frozen if lora_only else []),
         units_known=False,
         source=f"--params {params:g}",
     )
+
+
+def _frozen_infos(count: int, *, quantize_base: str | None, sharded: bool) -> list[ParamInfo]:
+    """The frozen part of a size-only model: float, int8, or 4-bit (packed bytes and per-block absmax)."""
+    if count <= 0:
+        return []
+    if quantize_base in ("nf4", "fp4"):
+        return [ParamInfo("frozen", (-(-count // 2),), torch.uint8, False, sharded, 0),
+                ParamInfo("frozen_absmax", (-(-count // 64),), torch.int32, False, sharded, 0)]  # fmt: skip
+    dtype = torch.int8 if quantize_base == "int8" else torch.float32
+    return [ParamInfo("frozen", (count,), dtype, False, sharded, 0)]
 
 
 def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:

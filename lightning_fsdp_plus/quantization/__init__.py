@@ -1,6 +1,14 @@
 """8-bit and 4-bit base weights that FSDP2 can shard."""
 
-from lightning_fsdp_plus.quantization.fourbit import BLOCKSIZES, FOUR_BIT_TYPES, FourBitLinear, check_four_bit
+from lightning_fsdp_plus.quantization.fourbit import (
+    BLOCKSIZES,
+    FOUR_BIT_TYPES,
+    FourBitLinear,
+    check_four_bit,
+    check_four_bit_layers,
+    convert_to_4bit,
+    four_bit_candidates,
+)
 from lightning_fsdp_plus.quantization.int8 import (
     QUANTIZABLE,
     Int8Linear,
@@ -11,7 +19,7 @@ from lightning_fsdp_plus.quantization.int8 import (
     require_bitsandbytes,
 )
 
-QUANTIZE_CHOICES = ("int8",)
+QUANTIZE_CHOICES = ("int8", *FOUR_BIT_TYPES)
 """Values ``quantize_base`` accepts (besides ``None``)."""
 
 __all__ = [
@@ -22,8 +30,11 @@ __all__ = [
     "FourBitLinear",
     "Int8Linear",
     "check_four_bit",
+    "check_four_bit_layers",
     "check_quantize_base",
+    "convert_to_4bit",
     "convert_to_int8",
+    "four_bit_candidates",
     "frozen_layer_types",
     "int8_candidates",
     "quantize_rows",
@@ -32,14 +43,9 @@ __all__ = [
 
 
 def check_quantize_base(value: str | None, *, key: str = "quantize_base") -> None:
-    """Raise for anything but None and "int8" (4-bit is refused explicitly rather than half-supported)."""
-    if value is None or value in QUANTIZE_CHOICES:
-        if value == "int8":
-            require_bitsandbytes(key=key)
+    """Raise for anything but None, "int8", "nf4" and "fp4" (and when bitsandbytes cannot be imported)."""
+    if value is None:
         return
-    if value in ("nf4", "fp4", "int4", "4bit"):
-        raise ValueError(
-            f"{key}={value!r} is not supported yet: 4-bit weights are packed two per byte with per-block"
-            " quantization state that FSDP2 cannot shard row-wise; valid choices: None, int8"
-        )
-    raise ValueError(f"{key}={value!r} is not one of None, int8")
+    if value not in QUANTIZE_CHOICES:
+        raise ValueError(f"{key}={value!r} is not one of None, {', '.join(QUANTIZE_CHOICES)}")
+    require_bitsandbytes(key=key, value=value)

@@ -19,8 +19,12 @@ The forward pass rebuilds bitsandbytes' ``QuantState`` from these tensors and ca
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
+
+from lightning_fsdp_plus.quantization.select import is_conv1d, layer_candidates, meta_shapes
 
 FOUR_BIT_TYPES = ("nf4", "fp4")
 """4-bit data types (bitsandbytes' ``quant_type``)."""
@@ -39,10 +43,11 @@ def check_four_bit(*, quant_type: str, blocksize: int, in_features: int | None =
     if blocksize not in BLOCKSIZES:
         raise ValueError(f"quantize_blocksize={blocksize!r} is not one of {', '.join(map(str, BLOCKSIZES))}")
     if in_features is not None and in_features % blocksize:
+        name = next((part for part in reversed(where.split(".")) if part != "base_layer"), where)
         raise ValueError(
             f"{where or 'a layer'} has in_features={in_features}, not a multiple of quantize_blocksize={blocksize}:"
             " its 4-bit blocks would straddle rows, which FSDP2 shards separately. Choose a blocksize that divides"
-            f" it, or leave the layer in float with quantize_skip=[{where.rsplit('.', 1)[-1]!r}]"
+            f" it, or leave the layer in float with quantize_skip=[{name!r}]"
         )
 
 
@@ -216,3 +221,62 @@ class FourBitLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None},"
             f" quant_type={self.quant_type}, blocksize={self.blocksize}, double_quant={self.double_quant}"
         )
+
+
+def _is_bnb_4bit(module: nn.Module) -> bool:
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except Exception:
+        return False
+    return isinstance(module, Linear4bit)
+
+
+def four_bit_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:
+    """Paths ``convert_to_4bit`` would convert: frozen ``nn.Linear`` / ``Conv1D`` layers and bitsandbytes
+    ``Linear4bit`` ones, outside LoRA adapters and ``skip`` (the rule int8 uses)."""
+    return layer_candidates(model, skip=skip, prequantized=_is_bnb_4bit)
+
+
+def check_four_bit_layers(model: nn.Module, *, skip: Sequence[str], blocksize: int) -> None:
+    """Every float layer ``convert_to_4bit`` would convert holds whole blocks per row (raises ValueError naming it)."""
+    for path in four_bit_candidates(model, skip=skip):
+        module = model.get_submodule(path)
+        if not _is_bnb_4bit(module):
+            in_features, _, _ = meta_shapes(module)
+            check_four_bit(quant_type="nf4", blocksize=blocksize, in_features=in_features, where=path)
+
+
+def convert_to_4bit(
+    model: nn.Module,
+    *,
+    quant_type: str = "nf4",
+    blocksize: int = 64,
+    double_quant: bool = False,
+    skip: Sequence[str] = ("lm_head",),
+) -> list[str]:
+    """Replace the ``four_bit_candidates`` with ``FourBitLinear`` in place; returns the converted module paths.
+
+    Float layers are quantized like ``Linear4bit`` (from their own dtype); bitsandbytes layers are converted
+    losslessly (keeping their own type and block size). Layers on the meta device become empty ones.
+    """
+    check_four_bit(quant_type=quant_type, blocksize=blocksize)
+    check_four_bit_layers(model, skip=skip, blocksize=blocksize)
+    settings = {"quant_type": quant_type, "blocksize": blocksize, "double_quant": double_quant}
+    converted = four_bit_candidates(model, skip=skip)
+    for path in converted:
+        module = model.get_submodule(path)
+        if _is_bnb_4bit(module):
+            replacement = FourBitLinear.from_bnb(module)
+        elif module.weight.is_meta:
+            in_features, out_features, layout = meta_shapes(module)
+            bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
+            replacement = FourBitLinear(in_features, out_features, module.bias is not None, **settings,
+                                        weight_dtype=module.weight.dtype, bias_dtype=bias_dtype, device="meta",
+                                        source_layout=layout)  # fmt: skip
+        elif is_conv1d(module):
+            replacement = FourBitLinear.from_conv1d(module, **settings)
+        else:
+            replacement = FourBitLinear.from_linear(module, **settings)
+        replacement.train(module.training)
+        model.set_submodule(path, replacement)
+    return converted

@@ -16,21 +16,22 @@ to the input, letting LoRA layers before it train.
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from lightning_fsdp_plus.quantization.select import is_conv1d, layer_candidates, meta_shapes
 
-def require_bitsandbytes(*, key: str = "quantize_base") -> None:
+
+def require_bitsandbytes(*, key: str = "quantize_base", value: str = "int8") -> None:
     """Raise an ImportError that says how to install bitsandbytes if it cannot be imported."""
     try:
         import bitsandbytes  # noqa: F401
     except Exception as err:  # bitsandbytes can fail at import with errors other than ImportError
         raise ImportError(
-            f"{key}='int8' needs bitsandbytes (LLM.int8 kernels), which could not be imported: {err}."
+            f"{key}={value!r} needs bitsandbytes (its quantization kernels), which could not be imported: {err}."
             " Install it with: pip install 'bitsandbytes>=0.48'"
         ) from err
 
@@ -179,11 +180,6 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
     return cb, scb
 
 
-def _skipped(path: str, skip: Sequence[str]) -> bool:
-    name = path.rsplit(".", 1)[-1]
-    return any(fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip)
-
-
 def _is_bnb_int8(module: nn.Module) -> bool:
     try:
         from bitsandbytes.nn import Linear8bitLt
@@ -192,15 +188,8 @@ def _is_bnb_int8(module: nn.Module) -> bool:
     return isinstance(module, Linear8bitLt)
 
 
-def _is_conv1d(module: nn.Module) -> bool:
-    """transformers' ``Conv1D`` (GPT-2, GPT-J's predecessors, ...): a linear layer with a transposed weight."""
-    from transformers.pytorch_utils import Conv1D
-
-    return type(module) is Conv1D
-
-
-QUANTIZABLE = ("nn.Linear", "transformers Conv1D", "bitsandbytes Linear8bitLt")
-"""The layer types ``quantize_base="int8"`` converts (when frozen)."""
+QUANTIZABLE = ("nn.Linear", "transformers Conv1D", "bitsandbytes Linear8bitLt / Linear4bit")
+"""The layer types ``quantize_base`` converts (float ones when frozen; bitsandbytes ones of the same kind)."""
 
 
 def int8_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:
@@ -210,14 +199,7 @@ def int8_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> 
     ``Linear8bitLt``, unless it is a LoRA adapter (``lora_`` in its path) or its path or name matches a ``skip``
     pattern (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.down_proj"``).
     """
-    paths = []
-    for path, module in model.named_modules():
-        if not path or any(part.startswith("lora_") for part in path.split(".")) or _skipped(path, skip):
-            continue
-        float_layer = type(module) is nn.Linear or _is_conv1d(module)
-        if _is_bnb_int8(module) or (float_layer and not any(p.requires_grad for p in module.parameters())):
-            paths.append(path)
-    return paths
+    return layer_candidates(model, skip=skip, prequantized=_is_bnb_int8)
 
 
 def frozen_layer_types(model: nn.Module) -> list[str]:
@@ -241,12 +223,10 @@ def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), thr
             replacement = Int8Linear.from_bnb(module)
         elif module.weight.is_meta:
             bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
-            # nn.Linear holds [out, in], Conv1D [in, out]
-            in_features, out_features = module.weight.shape if _is_conv1d(module) else module.weight.shape[::-1]
-            layout = "conv1d" if _is_conv1d(module) else "linear"
+            in_features, out_features, layout = meta_shapes(module)
             replacement = Int8Linear(in_features, out_features, module.bias is not None, threshold=threshold,
                                      bias_dtype=bias_dtype, device="meta", source_layout=layout)  # fmt: skip
-        elif _is_conv1d(module):
+        elif is_conv1d(module):
             replacement = Int8Linear.from_conv1d(module, threshold=threshold)
         else:
             replacement = Int8Linear.from_linear(module, threshold=threshold)

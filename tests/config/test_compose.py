@@ -120,7 +120,9 @@ def test_sharding_strategy_is_case_insensitive_in_configs_too():
         (["model.name_or_path=/nonexistent/model"],
          r"model.name_or_path='/nonexistent/model' is not a directory with a config.json"),
         (["precision.name=fp8"], r"precision.name='fp8' is not supported by fsdp_plus; choose one of 32-true"),
-        (["strategy.quantize_base=nf4"], r"strategy.quantize_base='nf4' is not supported yet"),
+        (["strategy.quantize_base=int4"], r"strategy.quantize_base='int4' is not one of None, int8, nf4, fp4"),
+        (["strategy.quantize_base=nf4", "strategy.quantize_blocksize=100"],
+         r"strategy.quantize_blocksize=100 is not one of 32, 64"),
         (["trainer.gradient_clip_algorithm=l2"], r"trainer.gradient_clip_algorithm='l2' is not one of norm, value"),
     ],
 )  # fmt: skip

@@ -28,7 +28,7 @@ from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.accounting import local_bytes
-from lightning_fsdp_plus.quantization import Int8Linear
+from lightning_fsdp_plus.quantization import FourBitLinear, Int8Linear
 from tests.helpers.models import (
     LORA,
     LORA_LLAMA,
@@ -86,6 +86,9 @@ CASES: dict[str, dict] = {
     "lora_int8_replicated": {"strategy": {"lora_only": True, "quantize_base": "int8"}, "lora": "module"},
     "lora_int8_sharded": {"strategy": {"lora_only": False, "quantize_base": "int8", "lora": LORA}, "lora": "strategy"},
     "lora_bf16_replicated": {"strategy": {"lora_only": True}, "lora": "module", "trainer": {"precision": "bf16-true"}},
+    # QLoRA: the same two modes over a 4-bit NF4 base (compared with bnb.nn.Linear4bit + PEFT in one process)
+    "lora_nf4_replicated": {"strategy": {"lora_only": True, "quantize_base": "nf4"}, "lora": "module"},
+    "lora_nf4_sharded": {"strategy": {"lora_only": False, "quantize_base": "nf4", "lora": LORA}, "lora": "strategy"},
     "lora_int8_sharded_bf16_mixed": {
         "strategy": {"quantize_base": "int8", "lora": LORA},
         "lora": "strategy",
@@ -155,6 +158,7 @@ class Recorder(Callback):
             "frozen_bytes": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
             "trainable_bytes": sum(local_bytes(p) for p in module.parameters() if p.requires_grad),
             "frozen_dtypes": sorted({str(p.dtype) for p in module.parameters() if not p.requires_grad}),
+            "base_linear_bytes": base_linear_bytes(module),
             "seen_scale": self.seen_scale,
             "monitor": {
                 "peak": self.monitor.peak.to_dict(),
@@ -186,6 +190,13 @@ class InjectInf(Callback):
         if trainer.global_step == self.step and trainer.global_rank == 1:
             grad = next(p for p in module.parameters() if p.grad is not None).grad
             grad.to_local().view(-1)[0] = float("inf")
+
+
+def base_linear_bytes(module) -> int:
+    """Local bytes of the frozen base's linear layers (what int8 / 4-bit quantize; ``lm_head`` is skipped)."""
+    kinds = (torch.nn.Linear, Int8Linear, FourBitLinear)
+    return sum(local_bytes(p) for path, m in module.named_modules() if isinstance(m, kinds) and "lm_head" not in path
+               and "lora_" not in path for p in m.parameters(recurse=False) if not p.requires_grad)  # fmt: skip
 
 
 def _model_state_peak(monitor: MemoryMonitor) -> dict[str, int]:

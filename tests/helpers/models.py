@@ -256,3 +256,35 @@ def train_lora_int8_reference(*, steps: int, lr: float, world_size: int = 2, bat
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def train_lora_4bit_reference(*, steps: int, lr: float, quant_type: str = "nf4", world_size: int = 2,
+                              batch_size: int = 4):  # fmt: skip
+    """Single process, bitsandbytes' own QLoRA layers: every frozen projection a ``bnb.nn.Linear4bit`` (quantized from
+    the fp32 weights), then PEFT LoRA as ``lora_llama`` applies it (the same random draws: the conversion runs in a
+    forked RNG). SGD+momentum on the global batch of ``FixedBatches``: losses and LoRA weights."""
+    import bitsandbytes as bnb
+    from peft import get_peft_model
+
+    from lightning_fsdp_plus.lora import make_lora_config
+
+    model = tiny_llama(0, **LORA_LLAMA)
+    with torch.random.fork_rng():
+        for path, module in list(model.named_modules()):
+            if type(module) is nn.Linear and "lm_head" not in path:
+                layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                          quant_type=quant_type, compress_statistics=False)  # fmt: skip
+                layer.load_state_dict(module.state_dict())
+                model.set_submodule(path, layer.to("cpu"))  # bitsandbytes quantizes when the layer is placed
+    model = get_peft_model(model, make_lora_config({**LORA, "r": LORA["r"], "alpha": 2 * LORA["r"]}))
+    opt = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad], lr=lr)
+    data = FixedBatches(steps=steps).data
+    batch = torch.cat([data[r::world_size][:batch_size] for r in range(world_size)])
+    losses = []
+    for _ in range(steps):
+        loss = torch.stack([model(input_ids=b, labels=b).loss for b in batch.chunk(world_size)]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -51,6 +51,8 @@ MODES = {
     "lora_only": {"lora": LORA, "lora_only": True},
     "int8": {"lora": LORA, "quantize_base": "int8"},
     "int8_replicated": {"lora": LORA, "quantize_base": "int8", "lora_only": True},
+    "nf4": {"lora": LORA, "quantize_base": "nf4"},
+    "fp4_replicated": {"lora": LORA, "quantize_base": "fp4", "lora_only": True},
 }
 # (checkpoint, torch_dtype, precision, sharding, mode): every strategy, mode, stored dtype and architecture
 EQUALITY = [
@@ -68,6 +70,17 @@ EQUALITY = [
     ("qwen2_fp32", None, "32-true", {"sharding_strategy": "SHARD_GRAD_OP"}, "lora_only"),
     ("gpt2_fp32", None, "32-true", {"sharding_strategy": "FULL_SHARD"}, "int8"),
     ("gpt2_fp32", "bfloat16", "bf16-true", {"sharding_strategy": "NO_SHARD"}, "int8_replicated"),
+    ("llama_bf16", None, "bf16-true", {"sharding_strategy": "FULL_SHARD"}, "nf4"),
+    ("llama_fp32", "bfloat16", "32-true", {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 1}, "nf4"),
+    ("gpt2_fp32", None, "32-true", {"sharding_strategy": "FULL_SHARD"}, "fp4_replicated"),
+    # Qwen2's MLP is 97 wide: down_proj's rows cannot hold whole 64-value blocks, so it stays float
+    (
+        "qwen2_bf16",
+        None,
+        "32-true",
+        {"sharding_strategy": "SHARD_GRAD_OP", "quantize_skip": ["lm_head", "down_proj"]},
+        "nf4",
+    ),
 ]
 
 
@@ -293,6 +306,21 @@ def error_file_broken(out: Path, checkpoints: Path) -> dict[str, Any]:
     assert "model-00002-of-" in message and ("truncated" in message or "incomplete" in message), message
     assert not any((out / "fit").rglob("*.ckpt"))  # nothing trained, nothing saved
     dist.barrier()
+    return {"message": message}
+
+
+@case("error__double_quant_cannot_stream")
+def error_double_quant(out: Path, checkpoints: Path) -> dict[str, Any]:
+    options = FSDPPlusOptions(lora=LORA, quantize_base="nf4", quantize_double=True)
+    try:
+        build(checkpoints / "llama_bf16", None, "32-true", options, streamed=True)
+    except PretrainedLoadError as err:
+        message = str(err)
+    else:
+        raise AssertionError("double quantization was streamed")
+    assert "quantize_double=True needs every row's statistics" in message and "low_memory_load=false" in message
+    old = build(checkpoints / "llama_bf16", None, "32-true", options, streamed=False)  # the old path quantizes it
+    assert any(getattr(m, "double_quant", False) for m in old.modules())
     return {"message": message}
 
 

@@ -94,15 +94,15 @@ def test_converter_converts_transformers_style_linear8bitlt_losslessly():
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("nf4", "quantize_base='nf4' is not supported yet: 4-bit weights .* valid choices: None, int8"),
-        ("int6", "quantize_base='int6' is not one of None, int8"),
+        ("int4", "quantize_base='int4' is not one of None, int8, nf4, fp4"),
+        ("int6", "quantize_base='int6' is not one of None, int8, nf4, fp4"),
     ],
 )
 def test_quantize_base_values(value, message):
     with pytest.raises(ValueError, match=message):
         check_quantize_base(value)
-    check_quantize_base(None)
-    check_quantize_base("int8")
+    for accepted in (None, "int8", "nf4", "fp4"):
+        check_quantize_base(accepted)
 
 
 def test_missing_bitsandbytes_is_a_clear_error(monkeypatch):

@@ -59,6 +59,14 @@ def test_lora_options_fill_strategy_lora_and_experiment_and_sweeps_compose():
     for option in options("sweep"):
         cfg = compose("config", overrides=[f"sweep={option}"], return_hydra_config=True)
         assert str(cfg.hydra.mode) == "RunMode.MULTIRUN" and "strategy" in cfg.hydra.sweeper.params
+    import yaml
+
+    swept = yaml.safe_load((CONF / "sweep" / "lora_modes.yaml").read_text())["hydra"]["sweeper"]["params"]["strategy"]
+    assert {"lora_nf4_replicated", "lora_nf4_sharded", "lora_int8_sharded"} <= set(swept.split(","))
+    for experiment in ("medical_lora", "legal_lora"):  # the examples run on a 4-bit base too
+        cfg = compose("config", overrides=[f"experiment={experiment}", "strategy=lora_nf4_sharded"])
+        assert cfg.strategy.quantize_base == "nf4" and cfg.strategy.quantize_blocksize == 32
+        validate_run_config(cfg)
 
 
 EXPECTED = {
@@ -69,6 +77,8 @@ EXPECTED = {
     "lora_only": {"sharding_strategy": ShardingStrategy.FULL_SHARD, "lora_only": True, "quantize_base": None},
     "lora_int8_replicated": {"lora_only": True, "quantize_base": "int8"},
     "lora_int8_sharded": {"lora_only": False, "quantize_base": "int8"},
+    "lora_nf4_replicated": {"lora_only": True, "quantize_base": "nf4", "quantize_blocksize": 64},
+    "lora_nf4_sharded": {"lora_only": False, "quantize_base": "nf4", "quantize_double": False},
 }
 
 

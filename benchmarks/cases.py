@@ -10,7 +10,7 @@ token batches and returns this rank's measurements (``StepClock.summary`` + memo
   the root, a plain PyTorch loop, no Lightning — the overhead reference;
 * ``lightning_ddp``, ``lightning_fsdp``, ``lightning_model_parallel``: Lightning's own strategies
   (``ModelParallelStrategy`` with the ``fully_shard`` calls a user writes in ``configure_model``);
-* ``lora_{int8,bf16}_{replicated,sharded}``: LoRA r=16 on all projections over an int8 or bf16 base,
+* ``lora_{int8,nf4,bf16}_{replicated,sharded}``: LoRA r=16 on all projections over an int8, NF4 or bf16 base,
   base replicated (``lora_only=True``) or sharded, in ``bf16-true``; ``lora_int8_replicated_per_layer``
   makes every LoRA-wrapped linear layer its own FSDP unit (rather than every decoder layer).
 """
@@ -135,16 +135,16 @@ def _fit(
 
 class BaseLinears(Callback):
     """Knows, once the strategy has prepared the model, which modules are the frozen base's linear layers
-    (what ``quantize_base="int8"`` converts; ``lm_head`` is skipped as by default) to label their all-gathers."""
+    (what ``quantize_base`` converts; ``lm_head`` is skipped as by default) to label their all-gathers."""
 
     def __init__(self) -> None:
         self.ids: set[int] = set()
 
     def on_fit_start(self, trainer: Trainer, module: torch.nn.Module) -> None:
-        from lightning_fsdp_plus.quantization import Int8Linear, int8_candidates
+        from lightning_fsdp_plus.quantization import FourBitLinear, Int8Linear, int8_candidates
 
         self.ids = {id(module.get_submodule(path)) for path in int8_candidates(module)}
-        self.ids |= {id(m) for m in module.modules() if isinstance(m, Int8Linear)}
+        self.ids |= {id(m) for m in module.modules() if isinstance(m, (Int8Linear, FourBitLinear))}
 
     def kind(self, module: torch.nn.Module, name: str) -> str:
         """``base_linear`` or ``other``."""
@@ -233,13 +233,13 @@ def _is_lora_layer(module: torch.nn.Module) -> bool:
 
 
 def lora(setting: Setting, *, base: str, lora_only: bool, per_layer_units: bool = False) -> dict[str, Any]:
-    """LoRA on an int8 or bf16 base, replicated or sharded, ``bf16-true``; units per decoder layer, or
+    """LoRA on an int8, NF4 or bf16 base, replicated or sharded, ``bf16-true``; units per decoder layer, or
     per LoRA-wrapped linear layer."""
     kwargs: dict[str, Any] = {"lora": LORA, "lora_only": lora_only, "precision": "bf16-true"}
     if per_layer_units:
         kwargs["auto_wrap_policy"] = _is_lora_layer
-    if base == "int8":
-        kwargs["quantize_base"] = "int8"
+    if base in ("int8", "nf4"):
+        kwargs["quantize_base"] = base
     return fsdp_plus(setting, "FULL_SHARD", **kwargs)
 
 
@@ -261,6 +261,8 @@ CASES: dict[str, Callable[[Setting], dict[str, Any]]] = {
     "lora_int8_replicated": _bind(lora, base="int8", lora_only=True),
     "lora_int8_replicated_per_layer": _bind(lora, base="int8", lora_only=True, per_layer_units=True),
     "lora_int8_sharded": _bind(lora, base="int8", lora_only=False),
+    "lora_nf4_replicated": _bind(lora, base="nf4", lora_only=True),
+    "lora_nf4_sharded": _bind(lora, base="nf4", lora_only=False),
     "lora_bf16_replicated": _bind(lora, base="bf16", lora_only=True),
     "lora_bf16_sharded": _bind(lora, base="bf16", lora_only=False),
 }

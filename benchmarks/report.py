@@ -68,16 +68,17 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "per_repetition": per_rep,
             "phase_delta_s": phase_delta,
         }
-    return {"cases": cases, "overhead_vs_fsdp2_loop": ratios, "int8_vs_bf16_base": _base_ratio(cases)}
+    return {"cases": cases, "overhead_vs_fsdp2_loop": ratios, "int8_vs_bf16_base": _base_ratio(cases, "int8"),
+            "nf4_vs_bf16_base": _base_ratio(cases, "nf4")}  # fmt: skip
 
 
-def _base_ratio(cases: dict[str, Any]) -> dict[str, float] | None:
-    """All-gather bytes per step of the sharded int8 base over the sharded bf16 base: the base's linear
+def _base_ratio(cases: dict[str, Any], kind: str) -> dict[str, float] | None:
+    """All-gather bytes per step of the sharded ``kind`` base over the sharded bf16 base: the base's linear
     weights alone, and everything gathered (LoRA, norms, embeddings and ``lm_head`` travel alike in both)."""
-    int8, bf16 = cases.get("lora_int8_sharded"), cases.get("lora_bf16_sharded")
-    if not int8 or not bf16 or "refused" in int8 or "refused" in bf16:
+    quantized, bf16 = cases.get(f"lora_{kind}_sharded"), cases.get("lora_bf16_sharded")
+    if not quantized or not bf16 or "refused" in quantized or "refused" in bf16:
         return None
-    a, b = int8["comm_per_step"], bf16["comm_per_step"]
+    a, b = quantized["comm_per_step"], bf16["comm_per_step"]
     return {
         "base_linear_all_gather_ratio": a["all_gather:base_linear"] / b["all_gather:base_linear"],
         "total_all_gather_ratio": a["all_gather"] / b["all_gather"],
@@ -133,14 +134,15 @@ def to_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             + (" The optimizer phase includes the default `grad_norm` logging: compare FULL_SHARD_NO_GRAD_NORM."
                if phase == "optimizer" else "")
         )  # fmt: skip
-    base = results.get("int8_vs_bf16_base")
-    if base:
-        lines += [
-            "",
-            f"Sharded int8 base vs sharded bf16 base, all-gather bytes per step: base linear weights"
-            f" {base['base_linear_all_gather_ratio']:.3f}x, everything gathered {base['total_all_gather_ratio']:.3f}x"
-            " (LoRA, norms, embeddings and lm_head travel in bf16 in both).",
-        ]
+    for kind in ("int8", "nf4"):
+        base = results.get(f"{kind}_vs_bf16_base")
+        if base:
+            lines += [
+                "",
+                f"Sharded {kind} base vs sharded bf16 base, all-gather bytes per step: base linear weights"
+                f" {base['base_linear_all_gather_ratio']:.3f}x, everything gathered"
+                f" {base['total_all_gather_ratio']:.3f}x (LoRA, norms, embeddings and lm_head travel in bf16 in both).",
+            ]
     return "\n".join(lines) + "\n"
 
 

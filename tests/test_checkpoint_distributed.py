@@ -58,16 +58,31 @@ def test_resume_is_exact(tmp_path, reference, kind):
     assert all(losses[k] == ref_losses[k] for k in losses)
     assert max_diff(state, ref_state) == 0.0
     if kind == "lora_int8":
-        ckpt = tmp_path / "ckpt" / "last.ckpt"
-        written = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
-        lora = [v for k, v in ref_state.items() if "lora_" in k]
-        adapter_and_momentum = 2 * sum(v.numel() * 4 for v in lora)  # fp32 weights + SGD momentum
-        assert written < 2 * adapter_and_momentum
-        from torch.distributed.checkpoint import FileSystemReader
+        assert_only_the_adapter_was_saved(tmp_path, ref_state)
 
-        keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-        model_keys = [k for k in keys if k.startswith("state_dict.")]
-        assert model_keys and all("lora_" in k for k in model_keys)  # no base weight (int8 or float) inside
+
+def test_resume_on_a_sharded_nf4_base_is_exact_and_saves_only_the_adapter(tmp_path):
+    launch(tmp_path, "uninterrupted", "--kind", "lora_nf4")
+    launch(tmp_path, "first", "--kind", "lora_nf4", "--max-steps", "4")
+    launch(tmp_path, "resumed", "--kind", "lora_nf4", "--resume", "last")
+    (losses, state), (ref_losses, ref_state) = result(tmp_path, "resumed"), result(tmp_path, "uninterrupted")
+    assert sorted(losses, key=int) == [str(s) for s in range(5, 13)]
+    assert all(losses[k] == ref_losses[k] for k in losses) and max_diff(state, ref_state) == 0.0
+    assert_only_the_adapter_was_saved(tmp_path, ref_state)  # nothing of the 4-bit base, statistics included
+
+
+def assert_only_the_adapter_was_saved(tmp_path: Path, ref_state: dict[str, torch.Tensor]) -> None:
+    """The trainable-only checkpoint in ``tmp_path/ckpt/last.ckpt`` holds LoRA weights and momentum, nothing else."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt = tmp_path / "ckpt" / "last.ckpt"
+    written = sum(p.stat().st_size for p in ckpt.rglob("*") if p.is_file())
+    lora = [v for k, v in ref_state.items() if "lora_" in k]
+    adapter_and_momentum = 2 * sum(v.numel() * 4 for v in lora)  # fp32 weights + SGD momentum
+    assert written < 2 * adapter_and_momentum
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    model_keys = [k for k in keys if k.startswith("state_dict.")]
+    assert model_keys and all("lora_" in k for k in model_keys)  # no base weight (quantized or float) inside
 
 
 def test_full_format_resumes_exactly_and_is_one_verified_file(tmp_path, reference):

@@ -11,7 +11,9 @@ the same bytes as ordinary frozen tensors laid out by rows:
   fp32 values stored bit for bit as ``int32`` (no mixed-precision policy or ``module.to(dtype)`` can cast them), or
   with double quantization the 8-bit codes (``uint8``);
 - double quantization's second-level statistics (one fp32 absmax per 256 first-level ones, their mean, the 8-bit
-  code) span rows, so they are replicated buffers: 4 bytes per 16,384 weights at blocksize 64.
+  code) span rows: frozen Parameters of their own (4 bytes per 16,384 weights at blocksize 64), which FSDP2 shards
+  evenly and gathers whole with the unit;
+- ``quant_map``: the type's 16 levels, a non-persistent buffer (a constant, not saved).
 
 The forward pass rebuilds bitsandbytes' ``QuantState`` from these tensors and calls ``bnb.matmul_4bit`` as
 ``Linear4bit`` does, so outputs and input gradients are ``Linear4bit``'s (tested bit for bit).
@@ -101,12 +103,13 @@ class FourBitLinear(nn.Module):
         self.weight = frozen(out_features, in_features // 2, dtype=torch.uint8)
         self.weight_absmax = frozen(out_features, blocks, dtype=torch.uint8 if double_quant else torch.int32)
         self.bias = frozen(out_features, dtype=bias_dtype) if bias else None
-        self.register_buffer("quant_map", torch.zeros(16, dtype=torch.int32, device=device))
-        if double_quant:
+        # the type's 16 levels: a constant (bitsandbytes' get_4bit_type), kept out of checkpoints
+        self.register_buffer("quant_map", torch.zeros(16, dtype=torch.int32, device=device), persistent=False)
+        if double_quant:  # second-level statistics: frozen base state like the weight (FSDP2 gathers them whole)
             nested = -(-(out_features * blocks) // NESTED_BLOCKSIZE)
-            self.register_buffer("nested_absmax", torch.zeros(nested, dtype=torch.int32, device=device))
-            self.register_buffer("nested_quant_map", torch.zeros(256, dtype=torch.int32, device=device))
-            self.register_buffer("nested_offset", torch.zeros(1, dtype=torch.int32, device=device))
+            self.nested_absmax = frozen(nested, dtype=torch.int32)
+            self.nested_quant_map = frozen(256, dtype=torch.int32)
+            self.nested_offset = frozen(1, dtype=torch.int32)
 
     def quant_state(self) -> object:
         """bitsandbytes' ``QuantState`` over this layer's (unsharded) tensors."""

@@ -1,6 +1,6 @@
 """Checkpoint scenarios on CPU processes, run as a script (see tests/test_checkpoint_distributed.py).
 
-    python tests/helpers/ckpt_cases.py --out DIR --scenario NAME [--devices 2] [--kind full_ft|lora_int8]
+    python tests/helpers/ckpt_cases.py --out DIR --scenario NAME [--devices 2] [--kind full_ft|lora_int8|lora_nf4]
         [--state-dict-type sharded|full] [--max-steps N] [--resume last|PATH] [--sharding FULL_SHARD]
         [--step-sleep S] [--crash-on-commit N]  # N: SIGKILL rank 0 at its Nth checkpoint commit
 
@@ -80,8 +80,11 @@ def main() -> None:
 
         checkpoint_module.commit = crashing_commit
     seed_everything(0)
-    model = lora_llama(0, r=16) if args.kind == "lora_int8" else tiny_llama(0)
-    strategy_kwargs = {"quantize_base": "int8", "lora_only": True} if args.kind == "lora_int8" else {}
+    model = lora_llama(0, r=16) if args.kind.startswith("lora") else tiny_llama(0)
+    strategy_kwargs = {
+        "lora_int8": {"quantize_base": "int8", "lora_only": True},
+        "lora_nf4": {"quantize_base": "nf4", "quantize_double": True},  # sharded 4-bit base, nested statistics
+    }.get(args.kind, {})
     trainer = Trainer(
         strategy=FSDPPlusStrategy(args.sharding, state_dict_type=args.state_dict_type, **strategy_kwargs),
         accelerator="cpu",

@@ -2,7 +2,7 @@
 
     fsdp-plus-estimate --params 7.5e9 --world-size 64
     fsdp-plus-estimate --config path/to/config.json --world-size 8 16 --strategy all \\
-        --precision bf16-mixed --optimizer adamw --lora-rank 16 --quantize-base int8 --lora-only \\
+        --precision bf16-mixed --optimizer adamw --lora-rank 16 --quantize-base int8|nf4 --lora-only \\
         --batch-size 4 --seq-len 2048 [--activation-checkpointing] [--simulate] [--json]
 
 A table for people by default (GB = 10^9 bytes); ``--json`` prints a machine-readable document (a list of
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trainable-fraction", type=float, help="with --params: the share of parameters that train")
     parser.add_argument("--lora-only", action="store_true", help=docs.get("lora_only"))
     parser.add_argument("--quantize-base", choices=list(QUANTIZE_CHOICES), help=docs.get("quantize_base"))
+    parser.add_argument("--quantize-blocksize", type=int, default=64, help=docs.get("quantize_blocksize"))
+    parser.add_argument("--quantize-double", action="store_true", help=docs.get("quantize_double"))
     parser.add_argument("--cpu-offload", action="store_true", help=docs.get("cpu_offload"))
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="checkpoint every unit but the root (needs --config)"
@@ -136,6 +138,8 @@ def run(argv: Sequence[str] | None = None) -> str:
             precision=args.precision, optimizer=args.optimizer, hybrid_shard_size=args.hybrid_shard_size,
             lora=lora, trainable_fraction=args.trainable_fraction, lora_only=args.lora_only,
             quantize_base=args.quantize_base, cpu_offload=args.cpu_offload,
+            **({"quantize_blocksize": args.quantize_blocksize, "quantize_double": args.quantize_double}
+               if args.quantize_base in ("nf4", "fp4") else {}),
             activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
             seq_len=args.seq_len, simulate=args.simulate,
         )  # fmt: skip

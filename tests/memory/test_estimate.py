@@ -53,6 +53,15 @@ def test_parameter_count_arithmetic_for_lora_on_an_int8_base():
     assert sharded.params == (psi - trainable) / 4 + trainable
 
 
+def test_parameter_count_arithmetic_for_lora_on_an_nf4_base():
+    psi, fraction = 1.28e9, 0.01
+    trainable = psi * fraction
+    frozen = psi - trainable
+    sharded = _by_strategy(params=psi, world_size=4, strategy="full_shard", trainable_fraction=fraction,
+                           quantize_base="nf4")["FULL_SHARD"]  # fmt: skip
+    assert sharded.params == (frozen / 2 + frozen / 64 * 4) / 4 + trainable  # packed 4-bit + fp32 absmax per 64
+
+
 def test_json_maps_each_strategy_to_its_model_state(capsys):
     doc = json.loads(run(["--params", "1e9", "--world-size", "8", "--json"]))
     assert doc["world_size"] == 8
@@ -148,6 +157,11 @@ def test_simulate_agrees_with_the_arithmetic_on_what_both_count(tmp_path):
         assert simulated["optstate"] == estimate.optimizer + 4 * lora_tensors  # + Adam's fp32 scalar step counters
         assert simulated["total"] >= estimate.peak_bytes_per_rank * 0.9
     full, sgo = estimates
+    _, nf4 = estimate_memory(config=tmp_path, world_size=2, strategy="full_shard", precision="bf16-mixed", lora=LORA,
+                             quantize_base="nf4", batch_size=2, seq_len=16, simulate=True)  # fmt: skip
+    assert nf4[0].simulated["sharded_param"] == nf4[0].params  # the packed 4-bit base too, byte for byte
+    assert nf4[0].params < 0.7 * full.params  # LoRA and the float embeddings stay as they were
+    assert nf4[0].simulated["all_gather"] < 0.35 * full.simulated["all_gather"]  # the unit gathers packed 4-bit
     # every unit's compute copy kept (the tracker sees 1 KiB more here: within 0.1%)
     assert sgo.simulated["unsharded_param"] == pytest.approx(sgo.unsharded_params, rel=1e-3)
     assert full.simulated["unsharded_param"] < sgo.simulated["unsharded_param"]

@@ -74,3 +74,26 @@ def test_bad_settings_name_the_key_and_the_choices(kwargs, message):
     settings = {"quant_type": "nf4", "blocksize": 64, "in_features": IN, **kwargs}
     with pytest.raises(ValueError, match=message):
         FourBitLinear(settings.pop("in_features"), OUT, **settings)
+
+
+@pytest.mark.parametrize("double_quant", [False, True], ids=["plain", "double_quant"])
+def test_model_loaded_by_transformers_in_4bit_converts_losslessly(tmp_path, double_quant):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from lightning_fsdp_plus.quantization import convert_to_4bit
+    from tests.helpers.models import LORA_LLAMA, TokenDataset, tiny_llama
+
+    tiny_llama(0, **LORA_LLAMA).save_pretrained(tmp_path)  # 256/512 wide: whole 64-value blocks per row
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=double_quant,
+                                bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+    bnb_layers = {n for n, m in loaded.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert bnb_layers  # transformers really built Linear4bit layers
+    probe = TokenDataset(n=2).data
+    loaded.train()  # the training path: Linear4bit's no-grad eval path repacks weights on AVX512-BF16 CPUs
+    before = loaded(input_ids=probe).logits
+    converted = convert_to_4bit(loaded, quant_type="nf4", double_quant=double_quant)
+    after = loaded(input_ids=probe).logits
+    assert set(converted) == bnb_layers
+    assert all(m.double_quant is double_quant for m in loaded.modules() if isinstance(m, FourBitLinear))
+    torch.testing.assert_close(after, before, rtol=0, atol=0)

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp_plus.quantization.select import is_conv1d, layer_candidates, meta_shapes
+from lightning_fsdp_plus.quantization.select import is_bnb_layer, is_conv1d, layer_candidates, meta_shapes
 
 FOUR_BIT_TYPES = ("nf4", "fp4")
 """4-bit data types (bitsandbytes' ``quant_type``)."""
@@ -227,11 +227,7 @@ class FourBitLinear(nn.Module):
 
 
 def _is_bnb_4bit(module: nn.Module) -> bool:
-    try:
-        from bitsandbytes.nn import Linear4bit
-    except Exception:
-        return False
-    return isinstance(module, Linear4bit)
+    return is_bnb_layer(module, "Linear4bit")
 
 
 def four_bit_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:

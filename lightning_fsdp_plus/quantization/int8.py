@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp_plus.quantization.select import is_conv1d, layer_candidates, meta_shapes
+from lightning_fsdp_plus.quantization.select import is_bnb_layer, is_conv1d, layer_candidates, meta_shapes
 
 
 def require_bitsandbytes(*, key: str = "quantize_base", value: str = "int8") -> None:
@@ -181,11 +181,7 @@ def quantize_rows(weight: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _is_bnb_int8(module: nn.Module) -> bool:
-    try:
-        from bitsandbytes.nn import Linear8bitLt
-    except Exception:
-        return False
-    return isinstance(module, Linear8bitLt)
+    return is_bnb_layer(module, "Linear8bitLt")
 
 
 QUANTIZABLE = ("nn.Linear", "transformers Conv1D", "bitsandbytes Linear8bitLt / Linear4bit")

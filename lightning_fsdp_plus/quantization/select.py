@@ -21,6 +21,15 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module) is Conv1D
 
 
+def is_bnb_layer(module: nn.Module, class_name: str) -> bool:
+    """True for an instance of ``bitsandbytes.nn.<class_name>`` (False when bitsandbytes cannot be imported)."""
+    try:
+        import bitsandbytes.nn as bnb_nn
+    except Exception:  # bitsandbytes can fail at import with errors other than ImportError
+        return False
+    return isinstance(module, getattr(bnb_nn, class_name))
+
+
 def layer_candidates(model: nn.Module, *, skip: Sequence[str], prequantized: Callable[[nn.Module], bool]) -> list[str]:
     """Paths of every frozen ``nn.Linear`` / ``Conv1D`` and every ``prequantized`` bitsandbytes layer, except LoRA
     adapters (``lora_`` in the path) and ``skip`` matches."""

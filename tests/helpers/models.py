@@ -244,6 +244,12 @@ def train_lora_int8_reference(*, steps: int, lr: float, world_size: int = 2, bat
 
     model = lora_llama(0)
     convert_to_int8(model)
+    return _train_on_global_batch(model, steps=steps, lr=lr, world_size=world_size, batch_size=batch_size)
+
+
+def _train_on_global_batch(model, *, steps: int, lr: float, world_size: int, batch_size: int):
+    """SGD+momentum on the global batch of ``FixedBatches``, each rank's half forwarded separately: losses and the
+    trainable weights afterwards."""
     opt = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad], lr=lr)
     data = FixedBatches(steps=steps).data
     # DistributedSampler(shuffle=False) gives rank r the items r, r+W, r+2W, ...
@@ -277,14 +283,4 @@ def train_lora_4bit_reference(*, steps: int, lr: float, quant_type: str = "nf4",
                 layer.load_state_dict(module.state_dict())
                 model.set_submodule(path, layer.to("cpu"))  # bitsandbytes quantizes when the layer is placed
     model = get_peft_model(model, make_lora_config({**LORA, "r": LORA["r"], "alpha": 2 * LORA["r"]}))
-    opt = make_optimizer("sgd", [p for p in model.parameters() if p.requires_grad], lr=lr)
-    data = FixedBatches(steps=steps).data
-    batch = torch.cat([data[r::world_size][:batch_size] for r in range(world_size)])
-    losses = []
-    for _ in range(steps):
-        loss = torch.stack([model(input_ids=b, labels=b).loss for b in batch.chunk(world_size)]).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return _train_on_global_batch(model, steps=steps, lr=lr, world_size=world_size, batch_size=batch_size)

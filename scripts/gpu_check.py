@@ -2,11 +2,12 @@
 
     python scripts/gpu_check.py [--steps 30]
 
-Covers what CPU tests cannot: bitsandbytes' CUDA int8 kernels behind ``Int8Linear`` (bit-identical to
-``Linear8bitLt``), autocast on the CUDA device, streaming loading into CUDA shards (equal to ``from_pretrained``
-+ the old pipeline, nccl), and a real ``fsdp-plus-train experiment=medical_lora`` run
-on ``min(2, GPUs)`` GPUs with nccl, bf16-mixed, LoRA on an int8 base — the "real-model path" with only
-``trainer.accelerator`` and ``trainer.devices`` changed (add ``model.name_or_path=...`` for a real model).
+Covers what CPU tests cannot: bitsandbytes' CUDA int8 and 4-bit kernels behind ``Int8Linear`` and
+``FourBitLinear`` (bit-identical to ``Linear8bitLt`` / ``Linear4bit``), autocast on the CUDA device, streaming
+loading into CUDA shards (equal to ``from_pretrained`` + the old pipeline, nccl), and a real
+``fsdp-plus-train experiment=medical_lora`` run on ``min(2, GPUs)`` GPUs with nccl, bf16-mixed, LoRA on an int8
+base — the "real-model path" with only ``trainer.accelerator`` and ``trainer.devices`` changed (add
+``model.name_or_path=...`` for a real model).
 """
 
 from __future__ import annotations
@@ -45,6 +46,28 @@ def check_int8_kernels() -> None:
         y2.backward(g)
         assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad), f"Int8Linear differs (training={training})"
     print("ok: Int8Linear == Linear8bitLt on CUDA (forward and input grad, train and eval)")
+
+
+def check_four_bit_kernels() -> None:
+    import bitsandbytes as bnb
+
+    from lightning_fsdp_plus.quantization import FourBitLinear
+
+    for quant_type in ("nf4", "fp4"):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(256, 128).to(torch.bfloat16)
+        reference = bnb.nn.Linear4bit(256, 128, quant_type=quant_type, compress_statistics=True)
+        reference.load_state_dict(linear.state_dict())
+        reference = reference.cuda()
+        ours = FourBitLinear.from_linear(linear.cuda(), quant_type=quant_type, double_quant=True)
+        x = (torch.randn(4, 16, 256, device="cuda", dtype=torch.bfloat16) * 3).requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        y, y2 = reference(x), ours(x2)
+        g = torch.randn_like(y)
+        y.backward(g)
+        y2.backward(g)
+        assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad), f"FourBitLinear differs on CUDA ({quant_type})"
+    print("ok: FourBitLinear == Linear4bit on CUDA (NF4 and FP4, double quantization, forward and input grad)")
 
 
 def check_autocast() -> None:
@@ -126,6 +149,7 @@ def main() -> None:
         sys.exit(0)
     print(f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     check_int8_kernels()
+    check_four_bit_kernels()
     check_autocast()
     check_streaming_load()
     check_training_run(args.steps)

@@ -24,6 +24,18 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 
 
+def assert_same_forward_and_input_grad(reference: torch.nn.Module, ours: torch.nn.Module, *, dtype: torch.dtype,
+                                       what: str) -> None:  # fmt: skip
+    """Outputs and input gradients of ``ours`` equal ``reference``'s bit for bit on a CUDA batch."""
+    x = (torch.randn(4, 16, 256, device="cuda", dtype=dtype) * 3).requires_grad_()
+    x2 = x.detach().clone().requires_grad_()
+    y, y2 = reference(x), ours(x2)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad), f"{what} differs on CUDA"
+
+
 def check_int8_kernels() -> None:
     import bitsandbytes as bnb
 
@@ -38,13 +50,7 @@ def check_int8_kernels() -> None:
     for training in (True, False):
         reference.train(training)
         ours.train(training)
-        x = (torch.randn(4, 16, 256, device="cuda", dtype=torch.float16) * 3).requires_grad_()
-        x2 = x.detach().clone().requires_grad_()
-        y, y2 = reference(x), ours(x2)
-        g = torch.randn_like(y)
-        y.backward(g)
-        y2.backward(g)
-        assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad), f"Int8Linear differs (training={training})"
+        assert_same_forward_and_input_grad(reference, ours, dtype=torch.float16, what=f"Int8Linear ({training=})")
     print("ok: Int8Linear == Linear8bitLt on CUDA (forward and input grad, train and eval)")
 
 
@@ -60,13 +66,7 @@ def check_four_bit_kernels() -> None:
         reference.load_state_dict(linear.state_dict())
         reference = reference.cuda()
         ours = FourBitLinear.from_linear(linear.cuda(), quant_type=quant_type, double_quant=True)
-        x = (torch.randn(4, 16, 256, device="cuda", dtype=torch.bfloat16) * 3).requires_grad_()
-        x2 = x.detach().clone().requires_grad_()
-        y, y2 = reference(x), ours(x2)
-        g = torch.randn_like(y)
-        y.backward(g)
-        y2.backward(g)
-        assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad), f"FourBitLinear differs on CUDA ({quant_type})"
+        assert_same_forward_and_input_grad(reference, ours, dtype=torch.bfloat16, what=f"FourBitLinear ({quant_type})")
     print("ok: FourBitLinear == Linear4bit on CUDA (NF4 and FP4, double quantization, forward and input grad)")
 
 

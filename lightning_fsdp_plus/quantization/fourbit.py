@@ -26,7 +26,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp_plus.quantization.select import is_bnb_layer, is_conv1d, layer_candidates, meta_shapes
+from lightning_fsdp_plus.quantization.select import (
+    is_bnb_layer,
+    is_conv1d,
+    layer_candidates,
+    meta_shapes,
+    replace_layers,
+)
 
 FOUR_BIT_TYPES = ("nf4", "fp4")
 """4-bit data types (bitsandbytes' ``quant_type``)."""
@@ -261,21 +267,18 @@ def convert_to_4bit(
     check_four_bit(quant_type=quant_type, blocksize=blocksize)
     check_four_bit_layers(model, skip=skip, blocksize=blocksize)
     settings = {"quant_type": quant_type, "blocksize": blocksize, "double_quant": double_quant}
-    converted = four_bit_candidates(model, skip=skip)
-    for path in converted:
-        module = model.get_submodule(path)
+
+    def convert(module: nn.Module) -> FourBitLinear:
         if _is_bnb_4bit(module):
-            replacement = FourBitLinear.from_bnb(module)
-        elif module.weight.is_meta:
+            return FourBitLinear.from_bnb(module)
+        if module.weight.is_meta:
             in_features, out_features, layout = meta_shapes(module)
             bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
-            replacement = FourBitLinear(in_features, out_features, module.bias is not None, **settings,
-                                        weight_dtype=module.weight.dtype, bias_dtype=bias_dtype, device="meta",
-                                        source_layout=layout)  # fmt: skip
-        elif is_conv1d(module):
-            replacement = FourBitLinear.from_conv1d(module, **settings)
-        else:
-            replacement = FourBitLinear.from_linear(module, **settings)
-        replacement.train(module.training)
-        model.set_submodule(path, replacement)
-    return converted
+            return FourBitLinear(in_features, out_features, module.bias is not None, **settings,
+                                 weight_dtype=module.weight.dtype, bias_dtype=bias_dtype, device="meta",
+                                 source_layout=layout)  # fmt: skip
+        if is_conv1d(module):
+            return FourBitLinear.from_conv1d(module, **settings)
+        return FourBitLinear.from_linear(module, **settings)
+
+    return replace_layers(model, four_bit_candidates(model, skip=skip), convert)

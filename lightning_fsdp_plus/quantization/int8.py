@@ -22,7 +22,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp_plus.quantization.select import is_bnb_layer, is_conv1d, layer_candidates, meta_shapes
+from lightning_fsdp_plus.quantization.select import (
+    is_bnb_layer,
+    is_conv1d,
+    layer_candidates,
+    meta_shapes,
+    replace_layers,
+)
 
 
 def require_bitsandbytes(*, key: str = "quantize_base", value: str = "int8") -> None:
@@ -212,20 +218,17 @@ def convert_to_int8(model: nn.Module, *, skip: Sequence[str] = ("lm_head",), thr
     the meta device (a model built without weights) become empty ``Int8Linear`` layers of the same shapes.
     """
     require_bitsandbytes()
-    converted = int8_candidates(model, skip=skip)
-    for path in converted:
-        module = model.get_submodule(path)
+
+    def convert(module: nn.Module) -> Int8Linear:
         if _is_bnb_int8(module):
-            replacement = Int8Linear.from_bnb(module)
-        elif module.weight.is_meta:
+            return Int8Linear.from_bnb(module)
+        if module.weight.is_meta:
             bias_dtype = module.bias.dtype if module.bias is not None else torch.float32
             in_features, out_features, layout = meta_shapes(module)
-            replacement = Int8Linear(in_features, out_features, module.bias is not None, threshold=threshold,
-                                     bias_dtype=bias_dtype, device="meta", source_layout=layout)  # fmt: skip
-        elif is_conv1d(module):
-            replacement = Int8Linear.from_conv1d(module, threshold=threshold)
-        else:
-            replacement = Int8Linear.from_linear(module, threshold=threshold)
-        replacement.train(module.training)  # eval layers use bitsandbytes' int8 matmul, training ones dequantize
-        model.set_submodule(path, replacement)
-    return converted
+            return Int8Linear(in_features, out_features, module.bias is not None, threshold=threshold,
+                              bias_dtype=bias_dtype, device="meta", source_layout=layout)  # fmt: skip
+        if is_conv1d(module):
+            return Int8Linear.from_conv1d(module, threshold=threshold)
+        return Int8Linear.from_linear(module, threshold=threshold)
+
+    return replace_layers(model, int8_candidates(model, skip=skip), convert)

@@ -43,6 +43,16 @@ def layer_candidates(model: nn.Module, *, skip: Sequence[str], prequantized: Cal
     return paths
 
 
+def replace_layers(model: nn.Module, paths: Sequence[str], convert: Callable[[nn.Module], nn.Module]) -> list[str]:
+    """Replace each module at ``paths`` with ``convert(module)`` in place (train/eval mode kept); returns ``paths``."""
+    for path in paths:
+        module = model.get_submodule(path)
+        replacement = convert(module)
+        replacement.train(module.training)  # int8 layers compute differently in eval (bitsandbytes' int8 matmul)
+        model.set_submodule(path, replacement)
+    return list(paths)
+
+
 def meta_shapes(module: nn.Module) -> tuple[int, int, str]:
     """``(in_features, out_features, source_layout)`` of a float linear layer (``nn.Linear`` or ``Conv1D``)."""
     if is_conv1d(module):  # Conv1D holds [in, out]

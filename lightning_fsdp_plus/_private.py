@@ -7,6 +7,8 @@ adaptation goes. Heavy or optional ones are imported on first use.
 Lightning (2.6.6):
 
 - ``_SubprocessScriptLauncher``: the ``popen`` launch (as ``ddp`` does);
+- ``_SignalConnector``: the trainer's signal handling (``trainer._signal_connector``), which
+  :mod:`~lightning_fsdp_plus.preemption` replaces with flag-only handlers;
 - ``_MultiProcessingLauncher``, ``_WorkerOutput``: the ``spawn`` launch that returns gathered weights;
 - ``_materialize_distributed_module``, ``_optimizers_to_device``: meta tensors made real, optimizer state moved;
 - ``_DtypeContextManager``: the estimator builds its meta model in a dtype;
@@ -45,11 +47,13 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states, reset_seed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
+from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
 
 __all__ = [
     "_METADATA_FILENAME",
     "_DtypeContextManager",
     "_MultiProcessingLauncher",
+    "_SignalConnector",
     "_SubprocessScriptLauncher",
     "_WorkerOutput",
     "_collect_rng_states",

@@ -23,12 +23,14 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-
 from lightning_fsdp_plus import compat
 from lightning_fsdp_plus.plan import MeshLayout, ShardingStrategy, check_hybrid_shard_size, resolve_mesh_layout
 from lightning_fsdp_plus.policies import WrapPolicy, validate_wrap_policy
 
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+"""The collective timeout unless ``timeout`` says otherwise (see the field)."""
+ON_PREEMPT_CHOICES = ("checkpoint", "exit")
+"""Values ``on_preempt`` accepts (and ``None``)."""
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 """Values ``start_method`` accepts."""
 STATE_DICT_TYPES = ("sharded", "full")
@@ -113,8 +115,16 @@ class FSDPPlusOptions:
     multiprocessing."""
     process_group_backend: str | None = None
     """``nccl`` on CUDA and ``gloo`` on CPU when ``None``."""
-    timeout: Any = default_pg_timeout
-    """Collective timeout (a ``timedelta`` or seconds): a rank that stops answering makes the others fail after it."""
+    timeout: Any = DEFAULT_TIMEOUT
+    """Collective timeout (a ``timedelta`` or seconds), gloo and nccl alike: a rank that stops answering makes the
+    others fail after it. 10 minutes by default (torch's is 30): long enough for the slowest legitimate wait (a rank
+    finishing its share of a 70B checkpoint write or first read on a network filesystem), short enough that a hung
+    or killed rank frees the job well inside a scheduler's restart budget."""
+    on_preempt: Literal["checkpoint", "exit"] | None = None
+    """What every rank does once one was sent SIGTERM, SIGINT or SIGUSR1 (handled at the next step boundary, the
+    same step on all ranks): ``"checkpoint"`` saves the ModelCheckpoint's "last" checkpoint (so
+    ``fit(ckpt_path="last")`` resumes) and exits; ``"exit"`` exits. Exit status 128 + signal number (143 for SIGTERM).
+    ``None``: ``checkpoint`` when a checkpoint directory is configured, else ``exit``."""
 
     def __post_init__(self) -> None:
         strategy, reshard = compat.sharding_strategy_from(self.sharding_strategy)
@@ -151,6 +161,11 @@ class FSDPPlusOptions:
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
             raise ValueError(f"process_group_backend={self.process_group_backend!r} must be a backend name or None")
         self._set("timeout", _timeout(self.timeout))
+        if self.on_preempt is not None and self.on_preempt not in ON_PREEMPT_CHOICES:
+            raise ValueError(
+                f"on_preempt={self.on_preempt!r} is not one of {', '.join(ON_PREEMPT_CHOICES)} (or None: checkpoint"
+                " when a checkpoint directory is configured)"
+            )
 
     def _set(self, key: str, value: Any) -> None:
         object.__setattr__(self, key, value)  # normalisation of a frozen dataclass, in __post_init__ only

@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -45,6 +46,13 @@ from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring
 from lightning_fsdp_plus.pipeline import build_sharded_model, materialize_model, plan_model, prepare_model
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, check_precision
+from lightning_fsdp_plus.preemption import (
+    PreemptionSignals,
+    agreement_group,
+    handle_preemption,
+    install,
+    resolve_on_preempt,
+)
 from lightning_fsdp_plus.sharding import build_mesh, is_sharded
 
 if TYPE_CHECKING:
@@ -105,6 +113,10 @@ class FSDPPlusStrategy(ParallelStrategy):
                 setattr(self, name, value)
         self._mesh_layout: MeshLayout | None = None
         self._sharding_plan: ShardingPlan | None = None
+        self._preemption: PreemptionSignals | None = None
+        self._agreement: tuple[Any, Any] | None = None  # (default group, agreement group) it was built for
+        self._steps_at_start = 0
+        self._on_preempt = "exit"
 
     def __getattr__(self, name: str) -> Any:
         # only reached when normal lookup fails: option fields read as attributes
@@ -258,7 +270,14 @@ class FSDPPlusStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._check_device_id()
+        assert self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        on_preempt = resolve_on_preempt(self.options.on_preempt, trainer=trainer)  # before any process group
         self._setup_distributed()
+        self._on_preempt = on_preempt
+        # signals only set a flag from now until the stage's teardown (preemption.py); Lightning's own handler
+        # would issue a collective from inside the signal handler
+        self._preemption = install(trainer, group=self._agreement_group())
         # free the groups at exit while the interpreter is still whole (see _dist.shutdown); Lightning only
         # destroys nccl groups at exit, and a gloo group left to interpreter teardown can abort the process
         atexit.unregister(shutdown)  # once per process, however many fits
@@ -268,6 +287,24 @@ class FSDPPlusStrategy(ParallelStrategy):
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def _agreement_group(self) -> Any:
+        import torch.distributed as dist
+
+        world = dist.group.WORLD if dist.is_initialized() else None
+        if self._agreement is None or self._agreement[0] is not world:
+            group = agreement_group(backend=self._process_group_backend or "gloo", timeout=self._timeout)
+            self._agreement = (world, group)
+        return self._agreement[1]
+
+    def _agree_on_preemption(self) -> bool:
+        """Whether any rank was signalled (a collective at a step boundary; see preemption.py)."""
+        return self._preemption is not None and self._preemption.agree()
+
+    @property
+    def preemption(self) -> PreemptionSignals | None:
+        """The signal handling of the running stage (``None`` before ``setup_environment``)."""
+        return self._preemption
 
     def _check_device_id(self) -> None:
         if self._device_id is None:
@@ -464,6 +501,27 @@ class FSDPPlusStrategy(ParallelStrategy):
         if self.is_global_zero and sidecar.is_file():
             sidecar.unlink()
 
+    # ------------------------------------------------------------------ preemption (see preemption.py)
+    @override
+    def on_train_start(self) -> None:
+        assert self.lightning_module is not None
+        self._steps_at_start = self.lightning_module.trainer.global_step
+        if self._agree_on_preemption():  # signalled while loading or restoring: stop before the first step
+            raise SIGTERMException
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._agree_on_preemption()  # every rank stops after this same step (Lightning's loop checks the flag)
+        return output
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._preemption is None or self.lightning_module is None:
+            return
+        handle_preemption(self.lightning_module.trainer, exception, connector=self._preemption,
+                          on_preempt=self._on_preempt, steps_at_start=self._steps_at_start)  # fmt: skip
+
     # ------------------------------------------------------------------ steps run through the root's FSDP hooks
     def _through_root(self, method: str, *args: Any, **kwargs: Any) -> Any:
         # The root unit is the LightningModule itself; calling training_step directly would bypass FSDP2's
@@ -478,16 +536,20 @@ class FSDPPlusStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree_on_preemption()  # Lightning's evaluation loop stops after this batch when agreed
         with self.precision_plugin.val_step_context():
             return self._through_root("validation_step", *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._agree_on_preemption()
         with self.precision_plugin.test_step_context():
             return self._through_root("test_step", *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._agree_on_preemption():  # Lightning's prediction loop does not check the flag
+            raise SIGTERMException
         with self.precision_plugin.predict_step_context():
             return self._through_root("predict_step", *args, **kwargs)
 

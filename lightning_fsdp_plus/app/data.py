@@ -3,6 +3,9 @@
 ``InstructionDataModule`` reads local JSONL/JSON/CSV/Parquet files (or a ``datasets`` dataset from the
 local cache) with Hugging Face ``datasets``, renders each example with a prompt template, tokenizes it,
 masks the prompt out of the loss (labels -100), and optionally packs examples into fixed-length blocks.
+
+Training loaders are torchdata's ``StatefulDataLoader``: Lightning saves their position in checkpoints, so a run
+resumed mid-epoch (after a preemption) continues with the next batch instead of starting the epoch again.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 """Alpaca-style prompt for examples without an input."""
@@ -110,8 +114,9 @@ class SyntheticLMDataModule(LightningDataModule):
         self.val_set = ArithmeticSequences(n=val_size, seq_len=seq_len, vocab_size=vocab_size, seed=seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (Lightning adds the distributed sampler)."""
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+        """Shuffled training batches (Lightning adds the distributed sampler), resumable mid-epoch."""
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
+                                  num_workers=self.num_workers)  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in a fixed order."""
@@ -249,8 +254,8 @@ class InstructionDataModule(LightningDataModule):
         self.collate = PadCollator(self.tokenizer.pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches."""
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
+        """Shuffled training batches, resumable mid-epoch."""
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
                           num_workers=self.num_workers)  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:

@@ -106,7 +106,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     )
     base = trainer.validate(module, datamodule=datamodule, verbose=False)[0] if cfg.validate_before else {}
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     fit_seconds = time.perf_counter() - started
     train_loss = trainer.callback_metrics.get("train_loss")
     final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]

@@ -53,7 +53,7 @@ def _hydra_field(item: dataclasses.Field) -> tuple[str, Any, Any]:
     elif base == ShardingStrategy.__name__:
         kind = ShardingStrategy
     elif base.startswith("Literal["):
-        kind = str
+        kind = str | None if optional else str
     elif base.startswith("tuple[str"):
         return item.name, list[str], field(default_factory=lambda: list(item.default))
     else:
@@ -221,6 +221,9 @@ class RunSchema:
     """Name of the run; outputs go under outputs/<task_name>/."""
     seed: int = 0
     """Global seed (Lightning's seed_everything)."""
+    ckpt_path: str | None = None
+    """Resume training: ``last`` (the newest "last" checkpoint in this run directory's checkpoints/, e.g. the one a
+    preempted run saved; rerun with the same ``hydra.run.dir``) or a checkpoint path."""
     validate_before: bool = True
     """Validate once before training (the 'before' perplexity)."""
     warmup_steps_for_timing: int = 2

@@ -123,9 +123,13 @@ class PreemptionSignals(_SignalConnector):
         return bool(decided)
 
     def teardown(self) -> None:
-        """Restore the handlers that were there before this stage."""
+        """Restore the handlers that were there before this stage; a signal that came after the stage's last
+        agreement is delivered again to them (it is not swallowed: by default it ends the process)."""
         super().teardown()
         self._registered = False
+        if self.signum and not self.agreed:
+            pending, self.signum = self.signum, 0
+            signal.raise_signal(pending)
 
 
 def install(trainer: pl.Trainer, *, group: ProcessGroup | None) -> PreemptionSignals:

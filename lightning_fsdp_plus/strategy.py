@@ -390,14 +390,17 @@ class FSDPPlusStrategy(ParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         self.reshard()
+        self._stop_if_preempted()
 
     @override
     def on_test_end(self) -> None:
         self.reshard()
+        self._stop_if_preempted()
 
     @override
     def on_predict_end(self) -> None:
         self.reshard()
+        self._stop_if_preempted()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -507,6 +510,18 @@ class FSDPPlusStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         self._steps_at_start = self.lightning_module.trainer.global_step
         if self._agree_on_preemption():  # signalled while loading or restoring: stop before the first step
+            raise SIGTERMException
+
+    @override
+    def on_train_end(self) -> None:
+        if self._agree_on_preemption():  # signalled after the last step: save and exit all the same
+            raise SIGTERMException
+
+    def _stop_if_preempted(self) -> None:
+        # the end of an evaluation stage is a boundary too (a signal after its last batch would be lost);
+        # inside fit, the training loop stops at its next check instead, so that its state stays resumable
+        assert self.lightning_module is not None
+        if self._agree_on_preemption() and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             raise SIGTERMException
 
     @override

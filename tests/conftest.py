@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.ckpt_runs import launch, result
 from tests.helpers.launch import REPO, run_script
 from tests.helpers.models import train_reference
 
@@ -53,3 +54,12 @@ def reference():
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def ckpt_reference(tmp_path_factory) -> dict[str, tuple]:
+    """Uninterrupted ``ckpt_cases.py`` runs, full fine-tune and LoRA+int8: (losses, final state, out dir)."""
+    full, lora = tmp_path_factory.mktemp("reference_full"), tmp_path_factory.mktemp("reference_lora")
+    launch(full, "full_ft")
+    launch(lora, "lora", "--kind", "lora_int8")
+    return {"full_ft": (*result(full, "full_ft"), full), "lora_int8": (*result(lora, "lora"), lora)}

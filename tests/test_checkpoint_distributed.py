@@ -7,7 +7,6 @@ steps). Exact means equal: resumed runs reproduce the uninterrupted run's losses
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -21,39 +20,16 @@ import pytest
 import torch
 
 from lightning_fsdp_plus.checkpoint import CheckpointError, load_full, verify
-from tests.helpers.launch import REPO, run_script, subprocess_env
-
-SCRIPT = REPO / "tests" / "helpers" / "ckpt_cases.py"
-
-
-def launch(out: Path, scenario: str, *args: str) -> str:
-    return run_script(SCRIPT, "--out", str(out), "--scenario", scenario, *args)
-
-
-def result(out: Path, scenario: str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
-    losses = json.loads((out / f"{scenario}.rank0.json").read_text())["losses"]
-    return losses, torch.load(out / f"{scenario}.pt", weights_only=True)
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[str, tuple]:
-    """Uninterrupted runs, full fine-tune and LoRA+int8."""
-    full, lora = tmp_path_factory.mktemp("reference_full"), tmp_path_factory.mktemp("reference_lora")
-    launch(full, "full_ft")
-    launch(lora, "lora", "--kind", "lora_int8")
-    return {"full_ft": (*result(full, "full_ft"), full), "lora_int8": (*result(lora, "lora"), lora)}
+from tests.helpers.ckpt_runs import SCRIPT, launch, max_diff, result, wait_for
+from tests.helpers.launch import REPO, subprocess_env
 
 
 @pytest.mark.parametrize("kind", ["full_ft", "lora_int8"])
-def test_resume_is_exact(tmp_path, reference, kind):
+def test_resume_is_exact(tmp_path, ckpt_reference, kind):
     launch(tmp_path, "first", "--kind", kind, "--max-steps", "4")
     launch(tmp_path, "resumed", "--kind", kind, "--resume", "last")
     losses, state = result(tmp_path, "resumed")
-    ref_losses, ref_state, _ = reference[kind]
+    ref_losses, ref_state, _ = ckpt_reference[kind]
     assert sorted(losses, key=int) == [str(s) for s in range(5, 13)]
     assert all(losses[k] == ref_losses[k] for k in losses)
     assert max_diff(state, ref_state) == 0.0
@@ -85,37 +61,28 @@ def assert_only_the_adapter_was_saved(tmp_path: Path, ref_state: dict[str, torch
     assert model_keys and all("lora_" in k for k in model_keys)  # no base weight (quantized or float) inside
 
 
-def test_full_format_resumes_exactly_and_is_one_verified_file(tmp_path, reference):
+def test_full_format_resumes_exactly_and_is_one_verified_file(tmp_path, ckpt_reference):
     launch(tmp_path, "first", "--max-steps", "4", "--state-dict-type", "full")
     ckpt = tmp_path / "ckpt" / "last.ckpt"
     assert ckpt.is_file() and Path(f"{ckpt}.sha256").is_file()
     assert "state_dict" in load_full(ckpt)  # weights_only unpickling
     launch(tmp_path, "resumed", "--resume", "last", "--state-dict-type", "full")
-    assert max_diff(result(tmp_path, "resumed")[1], reference["full_ft"][1]) == 0.0
+    assert max_diff(result(tmp_path, "resumed")[1], ckpt_reference["full_ft"][1]) == 0.0
 
 
-def test_two_ranks_reshard_to_one_with_another_sharding_strategy(tmp_path, reference):
+def test_two_ranks_reshard_to_one_with_another_sharding_strategy(tmp_path, ckpt_reference):
     launch(tmp_path, "first", "--max-steps", "4")
     launch(tmp_path, "resumed", "--resume", "last", "--devices", "1", "--sharding", "SHARD_GRAD_OP")
     losses, state = result(tmp_path, "resumed")
-    ref_losses, ref_state, _ = reference["full_ft"]
+    ref_losses, ref_state, _ = ckpt_reference["full_ft"]
     assert max(abs(losses[k] - ref_losses[k]) for k in losses) < 1e-5
     assert max_diff(state, ref_state) < 1e-5
 
 
-def _wait_for(path: Path, *, step: int, timeout: float) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if path.is_file() and path.read_text().strip() and int(path.read_text()) >= step:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{path} never reached step {step}")
-
-
-def test_kill_9_of_one_rank_then_resume_from_last_finishes_like_the_uninterrupted_run(tmp_path, reference):
+def test_kill_9_of_one_rank_then_resume_from_last_finishes_like_the_uninterrupted_run(tmp_path, ckpt_reference):
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "killed", "--step-sleep", "0.4"]
     proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    _wait_for(tmp_path / "killed.rank1.progress", step=6, timeout=240)
+    wait_for(tmp_path / "killed.rank1.progress", step=6, timeout=240)
     os.kill(int((tmp_path / "killed.rank1.pid").read_text()), signal.SIGKILL)
     killed_at = time.time()
     output = proc.communicate(timeout=120)[0].decode()
@@ -126,10 +93,10 @@ def test_kill_9_of_one_rank_then_resume_from_last_finishes_like_the_uninterrupte
     saved = torch.load(tmp_path / "ckpt" / "last.ckpt" / "meta.pt", weights_only=False)["global_step"]
     assert 0 < reached - saved <= 4  # at most one checkpoint interval lost
     launch(tmp_path, "resumed", "--resume", "last")
-    assert max_diff(result(tmp_path, "resumed")[1], reference["full_ft"][1]) == 0.0
+    assert max_diff(result(tmp_path, "resumed")[1], ckpt_reference["full_ft"][1]) == 0.0
 
 
-def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, reference):
+def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, ckpt_reference):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "crash",
                            "--crash-on-commit", "2"], cwd=REPO, env=subprocess_env(), capture_output=True,
                           timeout=300)  # fmt: skip
@@ -139,7 +106,7 @@ def test_a_process_killed_while_writing_leaves_the_previous_checkpoint_loadable(
     assert torch.load(ckpt / "meta.pt", weights_only=False)["global_step"] == 4
     assert any(p.name.startswith(".fsdp_plus_tmp-") for p in ckpt.parent.iterdir())  # ... the new one never replaced it
     launch(tmp_path, "resumed", "--resume", "last")
-    assert max_diff(result(tmp_path, "resumed")[1], reference["full_ft"][1]) == 0.0
+    assert max_diff(result(tmp_path, "resumed")[1], ckpt_reference["full_ft"][1]) == 0.0
 
 
 def test_truncated_and_corrupted_checkpoints_are_named_errors(tmp_path):
@@ -163,14 +130,14 @@ def test_truncated_and_corrupted_checkpoints_are_named_errors(tmp_path):
         verify(corrupted)
 
 
-def test_export_consolidates_sharded_checkpoints_and_writes_peft_adapters(tmp_path, reference):
+def test_export_consolidates_sharded_checkpoints_and_writes_peft_adapters(tmp_path, ckpt_reference):
     from peft import PeftModel
     from safetensors.torch import load_file
 
     from lightning_fsdp_plus.export import main as export
     from tests.helpers.models import LORA_LLAMA, tiny_llama
 
-    _, full_state, full_dir = reference["full_ft"]
+    _, full_state, full_dir = ckpt_reference["full_ft"]
     assert export([str(full_dir / "ckpt" / "last.ckpt"), str(tmp_path / "full")]) == 0
     weights = load_file(tmp_path / "full" / "model.safetensors")
     model = tiny_llama(1)
@@ -179,7 +146,7 @@ def test_export_consolidates_sharded_checkpoints_and_writes_peft_adapters(tmp_pa
     assert all(torch.equal(weights[k.removeprefix("model.")], v) for k, v in full_state.items()
                if k.removeprefix("model.") in weights)  # fmt: skip
 
-    _, lora_state, lora_dir = reference["lora_int8"]
+    _, lora_state, lora_dir = ckpt_reference["lora_int8"]
     assert export([str(lora_dir / "ckpt" / "last.ckpt"), str(tmp_path / "adapter")]) == 0
     assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     reloaded = PeftModel.from_pretrained(tiny_llama(0, **LORA_LLAMA), tmp_path / "adapter")

@@ -11,13 +11,14 @@ resumed mid-epoch (after a preemption) continues with the next batch instead of 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -68,6 +69,19 @@ def check_instruction_file(path: str | Path) -> None:
             _check_record(record, where=f"{path}:{number}")
 
 
+def shuffled_sampler(dataset: Dataset, *, trainer: Any) -> DistributedSampler:
+    """This rank's share of ``dataset`` in an order fixed by the seed and the epoch (torch's ``DistributedSampler``,
+    which Lightning leaves in place and steps through epochs).
+
+    ``shuffle=True`` would give a random sampler whose order depends on the global RNG at the moment the epoch
+    starts, which a resumed run does not reproduce; with this one a resumed run sees exactly the batches the
+    uninterrupted run would have seen.
+    """
+    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as Lightning's own distributed sampler
+    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+
+
 class ArithmeticSequences(Dataset):
     """Sequences ``a, a+d, a+2d, ... (mod vocab_size)``: a pattern a small model learns in a few dozen steps."""
 
@@ -114,9 +128,9 @@ class SyntheticLMDataModule(LightningDataModule):
         self.val_set = ArithmeticSequences(n=val_size, seq_len=seq_len, vocab_size=vocab_size, seed=seed + 1)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (Lightning adds the distributed sampler), resumable mid-epoch."""
-        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True,
-                                  num_workers=self.num_workers)  # fmt: skip
+        """Shuffled training batches, resumable mid-epoch."""
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers,
+                                  sampler=shuffled_sampler(self.train_set, trainer=self.trainer))  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in a fixed order."""
@@ -255,7 +269,8 @@ class InstructionDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches, resumable mid-epoch."""
-        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, collate_fn=self.collate,
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, collate_fn=self.collate,
+                                  sampler=shuffled_sampler(self.train_set, trainer=self.trainer),
                           num_workers=self.num_workers)  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:

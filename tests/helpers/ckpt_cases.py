@@ -41,8 +41,10 @@ STEPS_PER_EPOCH, BATCH = 4, 4
 
 
 class Record(Callback):
-    def __init__(self, out: Path, name: str, step_sleep: float) -> None:
-        self.out, self.name, self.step_sleep = out, name, step_sleep
+    """Per rank: the pid (train start), the step reached, the global losses and (rank 0) the final full state."""
+
+    def __init__(self, out: Path | str, name: str, step_sleep: float = 0.0) -> None:
+        self.out, self.name, self.step_sleep = Path(out), name, step_sleep
         self.losses: dict[int, float] = {}
 
     def on_train_start(self, trainer, module) -> None:
@@ -60,7 +62,10 @@ class Record(Callback):
         full = get_model_state_dict(
             trainer.strategy.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        (self.out / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps({"losses": self.losses}))
+        agreement = trainer.strategy.preemption  # the cost of the preemption check, for the trials' report
+        timing = {"agree_calls": agreement.agree_calls, "agree_seconds": agreement.agree_seconds}
+        record = {"losses": self.losses, **timing}
+        (self.out / f"{self.name}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
         if trainer.global_rank == 0:
             torch.save({k: v.float() for k, v in full.items()}, self.out / f"{self.name}.pt")
 

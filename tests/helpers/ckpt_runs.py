@@ -1,0 +1,39 @@
+"""Launching ``ckpt_cases.py`` from tests and reading what its runs leave behind."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tests.helpers.launch import REPO, run_script
+
+SCRIPT = REPO / "tests" / "helpers" / "ckpt_cases.py"
+
+
+def launch(out: Path, scenario: str, *args: str) -> str:
+    """One run of ``ckpt_cases.py`` on 2 CPU processes; its output (AssertionError when it fails)."""
+    return run_script(SCRIPT, "--out", str(out), "--scenario", scenario, *args)
+
+
+def result(out: Path, scenario: str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+    """A finished run's per-step global losses and final full state dict."""
+    losses = json.loads((out / f"{scenario}.rank0.json").read_text())["losses"]
+    return losses, torch.load(out / f"{scenario}.pt", weights_only=True)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest absolute difference between two state dicts with the same keys."""
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def wait_for(path: Path, *, step: int, timeout: float) -> None:
+    """Wait until a run's progress file says ``step`` (or later)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if path.is_file() and path.read_text().strip() and int(path.read_text()) >= step:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"{path} never reached step {step}")

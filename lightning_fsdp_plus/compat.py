@@ -25,7 +25,7 @@ BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST")
 LIGHTNING_ARGUMENTS: dict[str, str] = {
     "accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin":
         "as in every Lightning strategy; `FSDPPrecision` becomes `FSDPPlusPrecision` with the same preset",
-    "process_group_backend, timeout": "the same",
+    "process_group_backend, timeout": "the same (`timeout` defaults to 10 minutes instead of 30)",
     "sharding_strategy": "the same names, strings or FSDP1's enum; `_HYBRID_SHARD_ZERO2` = `HYBRID_SHARD` with"
         " `reshard_after_forward=False`",
     "auto_wrap_policy": "a set of classes, `ModuleWrapPolicy`, `CustomPolicy`, `transformer_auto_wrap_policy`,"

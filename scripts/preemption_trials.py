@@ -3,12 +3,12 @@
     python scripts/preemption_trials.py [--trials 24] [--seed 0] [--out outputs/preemption]
 
 Each trial starts ``tests/helpers/ckpt_cases.py`` (a plain ``Trainer(strategy=FSDPPlusStrategy())`` script: 3 x 4
-SGD steps with 0.25 s of work after each, validation every 2 steps, a checkpoint every 4), waits until both ranks
-train, then sends SIGTERM from outside (as ``timeout``, SLURM or Kubernetes do) to the chosen ranks after a delay
-drawn uniformly over the training time, so signals land in forward, backward, the optimizer step, validation and
-checkpoint saves alike (uniform over the first 80% of the uninterrupted run's training time, measured from
-the moment both ranks start training to its exit). It records every process's exit status and how long after the signal it exited, then
-resumes with ``fit(ckpt_path="last")`` and compares the final parameters with an uninterrupted run (bit for bit).
+SGD steps with 0.25 s of work after each, validation every 2 steps, a checkpoint every 4), waits until rank 0 has
+finished a random step (1-11), then after a random further delay (0-0.4 s) sends SIGTERM from outside (as
+``timeout``, SLURM or Kubernetes do) to the chosen ranks, so signals land in forward, backward, the optimizer step,
+validation and checkpoint saves alike. It records every process's exit status and how long after the signal it
+exited, then resumes with ``fit(ckpt_path="last")`` and compares the final parameters with an uninterrupted run
+(bit for bit).
 Writes ``trials.json`` and ``trials.md``; exits 1 if any trial failed (a process alive after 60 s, a wrong
 status, or different parameters).
 """
@@ -71,13 +71,24 @@ def reference(out: Path) -> tuple[dict[str, torch.Tensor], float, dict]:
     return _final(out, "reference"), time.time() - started, record
 
 
-def trial(out: Path, *, targets: tuple[int, ...], delay: float, ref: dict[str, torch.Tensor]) -> dict:
+def _wait_step(path: Path, step: int, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        text = path.read_text().strip() if path.is_file() else ""
+        if text and int(text) >= step:
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"{path} never reached step {step}")
+
+
+def trial(out: Path, *, targets: tuple[int, ...], step: int, delay: float, ref: dict[str, torch.Tensor]) -> dict:
     """One preempted run and its resume."""
     out.mkdir(parents=True)
     proc = _start(out, "preempted")
     for rank in (0, 1):
         _wait_file(out / f"preempted.rank{rank}.pid", 300)
     pids = [int((out / f"preempted.rank{r}.pid").read_text()) for r in (0, 1)]
+    _wait_step(out / "preempted.rank0.progress", step, 300)
     time.sleep(delay)
     sent = time.time()
     for rank in targets:
@@ -104,7 +115,8 @@ def trial(out: Path, *, targets: tuple[int, ...], delay: float, ref: dict[str, t
     codes = [e["code"] for e in exits]
     exit_s = [round(e["time"] - sent, 2) if e["time"] else None for e in exits]
     finished = codes == [0, 0]  # the signal came after training ended
-    row = {"targets": list(targets), "delay_s": round(delay, 2), "codes": codes, "exit_after_s": exit_s}
+    row = {"targets": list(targets), "after_step": step, "delay_s": round(delay, 2), "codes": codes}
+    row["exit_after_s"] = exit_s
     ckpt = out / "ckpt" / "last.ckpt" / "meta.pt"
     row["saved_step"] = torch.load(ckpt, weights_only=True)["global_step"] if ckpt.is_file() else None
     if finished:
@@ -133,11 +145,11 @@ def write_report(out: Path, rows: list[dict], *, train_s: float, record: dict) -
         "training_s": round(train_s, 1),
     }
     (out / "trials.json").write_text(json.dumps({"summary": summary, "trials": rows}, indent=1))
-    lines = ["| # | signalled ranks | delay s | exit status (rank 0, 1) | exit after s | saved step | identical | ok |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| # | signalled ranks | after step + s | exit status (rank 0, 1) | exit after s | saved step"
+             " | identical | ok |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i, r in enumerate(rows):
-        lines.append(f"| {i} | {','.join(map(str, r['targets']))} | {r['delay_s']} | {r['codes']} | {r['exit_after_s']}"
-                     f" | {r['saved_step']} | {r['identical']} | {r['ok']} |")  # fmt: skip
+        lines.append(f"| {i} | {','.join(map(str, r['targets']))} | {r['after_step']} + {r['delay_s']} | {r['codes']}"
+                     f" | {r['exit_after_s']} | {r['saved_step']} | {r['identical']} | {r['ok']} |")  # fmt: skip
     lines.append("")
     lines.append(json.dumps(summary))
     (out / "trials.md").write_text("\n".join(lines) + "\n")
@@ -156,12 +168,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     ref, train_s, record = reference(args.out)
-    print(f"uninterrupted run: {train_s:.1f} s of training")
+    print(f"uninterrupted run: {train_s:.1f} s of training", flush=True)
     rows = []
     choices = [(0,), (1,), (0, 1)]
     for i in range(args.trials):
         targets = choices[i % 3]
-        row = trial(args.out / f"trial{i:02d}", targets=targets, delay=rng.uniform(0, 0.8 * train_s), ref=ref)
+        step, delay = rng.randint(1, 11), rng.uniform(0, 0.4)
+        row = trial(args.out / f"trial{i:02d}", targets=targets, step=step, delay=delay, ref=ref)
         print(json.dumps(row), flush=True)
         rows.append(row)
     write_report(args.out, rows, train_s=train_s, record=record)

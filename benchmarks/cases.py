@@ -130,7 +130,15 @@ def _fit(
         return {"refused": f"{type(err).__name__}: {err}"}
     with counter.installed(), all_gathers_by_kind(counter, base.kind):
         trainer.fit(module, setting.loader())
-    return {**recorder.clock.summary(), **recorder.memory()}
+    return {**recorder.clock.summary(), **recorder.memory(), **_preemption_check(strategy)}
+
+
+def _preemption_check(strategy: Any) -> dict[str, float]:
+    """fsdp_plus: the mean time of its per-step preemption agreement (one all-reduce of one integer)."""
+    agreement = getattr(strategy, "preemption", None) if isinstance(strategy, FSDPPlusStrategy) else None
+    if agreement is None or not agreement.agree_calls:
+        return {}
+    return {"preempt_check_s": agreement.agree_seconds / agreement.agree_calls}
 
 
 class BaseLinears(Callback):

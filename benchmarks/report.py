@@ -34,6 +34,7 @@ def _per_rep(rep: dict[str, Any]) -> dict[str, Any]:
         "model_state_bytes_per_rank": max(r["model_state_bytes"] for r in ranks),
         "tensor_peak_bytes_per_rank": max(r["tensor_peak_bytes"] for r in ranks),
         "activation_bytes_per_rank": max(r["activation_bytes"] for r in ranks),
+        **({"preempt_check_s": max(r["preempt_check_s"] for r in ranks)} if "preempt_check_s" in ranks[0] else {}),
     }
 
 
@@ -53,6 +54,8 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "phases_s": {p: statistics.median(r["phases_s"][p] for r in reps[name]) for p in PHASES},
             **{k: v for k, v in reps[name][-1].items() if k.endswith("_per_rank") or k == "comm_per_step"},
         }
+        if "preempt_check_s" in first:
+            cases[name]["preempt_check_s"] = statistics.median(r["preempt_check_s"] for r in reps[name])
     ratios = {}
     for name in runs:
         key = name.removeprefix("fsdp_plus_")
@@ -134,6 +137,16 @@ def to_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             + (" The optimizer phase includes the default `grad_norm` logging: compare FULL_SHARD_NO_GRAD_NORM."
                if phase == "optimizer" else "")
         )  # fmt: skip
+    checks = {n: c for n, c in results["cases"].items() if "preempt_check_s" in c}
+    if checks:
+        share = max(c["preempt_check_s"] / c["step_time_s"]["median"] for c in checks.values())
+        lines += [
+            "",
+            "Preemption check (one all-reduce of one integer after each optimizer step, inside the optimizer phase):"
+            f" {min(c['preempt_check_s'] for c in checks.values()) * 1e3:.3f}-"
+            f"{max(c['preempt_check_s'] for c in checks.values()) * 1e3:.3f} ms per step, at most {share:.2%} of a"
+            " step.",
+        ]
     for kind in ("int8", "nf4"):
         base = results.get(f"{kind}_vs_bf16_base")
         if base:

@@ -8,7 +8,9 @@ Lightning (2.6.6):
 
 - ``_SubprocessScriptLauncher``: the ``popen`` launch (as ``ddp`` does);
 - ``_SignalConnector``: the trainer's signal handling (``trainer._signal_connector``), which
-  :mod:`~lightning_fsdp_plus.preemption` replaces with flag-only handlers;
+  :mod:`~lightning_fsdp_plus.preemption` replaces with flag-only handlers; there it also reads
+  ``trainer._accelerator_connector.cluster_environment`` (SLURM), ``ModelCheckpoint._monitor_candidates`` (the
+  "last" file's name) and runs ``_SignalConnector._slurm_sigusr_handler_fn`` (HPC checkpoint + requeue);
 - ``_MultiProcessingLauncher``, ``_WorkerOutput``: the ``spawn`` launch that returns gathered weights;
 - ``_materialize_distributed_module``, ``_optimizers_to_device``: meta tensors made real, optimizer state moved;
 - ``_DtypeContextManager``: the estimator builds its meta model in a dtype;

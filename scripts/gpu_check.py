@@ -141,7 +141,7 @@ def check_training_run(steps: int) -> None:
 
 
 def check_preemption() -> None:
-    """SIGTERM to the last rank of a GPU app run: every rank exits 143 within 60 s, saved; ``ckpt_path=last`` resumes."""
+    """SIGTERM to the last rank of a GPU app run: all exit 143 within 60 s, saved; ``ckpt_path=last`` resumes."""
     import os
     import signal
     import time

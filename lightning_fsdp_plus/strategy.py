@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -270,14 +271,15 @@ class FSDPPlusStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._check_device_id()
-        assert self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        on_preempt = resolve_on_preempt(self.options.on_preempt, trainer=trainer)  # before any process group
+        trainer = getattr(self.lightning_module, "_trainer", None)  # None when driven without a Trainer
+        attached = isinstance(trainer, Trainer)
+        if attached:  # before any process group
+            self._on_preempt = resolve_on_preempt(self.options.on_preempt, trainer=trainer)
         self._setup_distributed()
-        self._on_preempt = on_preempt
-        # signals only set a flag from now until the stage's teardown (preemption.py); Lightning's own handler
-        # would issue a collective from inside the signal handler
-        self._preemption = install(trainer, group=self._agreement_group())
+        if attached:
+            # signals only set a flag from now until the stage's teardown (preemption.py); Lightning's own
+            # handler would issue a collective from inside the signal handler
+            self._preemption = install(trainer, group=self._agreement_group())
         # free the groups at exit while the interpreter is still whole (see _dist.shutdown); Lightning only
         # destroys nccl groups at exit, and a gloo group left to interpreter teardown can abort the process
         atexit.unregister(shutdown)  # once per process, however many fits

@@ -24,7 +24,9 @@ from tests.helpers.ckpt_runs import SCRIPT, launch, max_diff, result, wait_for
 from tests.helpers.launch import REPO, subprocess_env
 
 
-@pytest.mark.parametrize("kind", ["full_ft", "lora_int8"])
+# full fine-tuning resumes exactly in tests/test_preemption_distributed.py (stopped mid-epoch, inside validation and a
+# checkpoint save); here the LoRA+int8 run, whose checkpoint holds the adapter only
+@pytest.mark.parametrize("kind", ["lora_int8"])
 def test_resume_is_exact(tmp_path, ckpt_reference, kind):
     launch(tmp_path, "first", "--kind", kind, "--max-steps", "4")
     launch(tmp_path, "resumed", "--kind", kind, "--resume", "last")

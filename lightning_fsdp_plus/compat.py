@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from lightning_fsdp_plus.plan import ShardingStrategy
+from lightning_fsdp_plus.plan import AUTO, ShardingStrategy
 from lightning_fsdp_plus.policies import FSDP1Policy, is_fsdp1_policy
 from lightning_fsdp_plus.precision import mixed_precision_from_mapping
 
@@ -79,15 +79,21 @@ def options_kwargs(kwargs: Mapping[str, Any], *, fields: Iterable[str]) -> dict[
     return out
 
 
-def sharding_strategy_from(value: Any) -> tuple[ShardingStrategy, bool | None]:
-    """Our strategy from a name, our enum or FSDP1's enum, and the ``reshard_after_forward`` it implies."""
+def sharding_strategy_from(value: Any) -> tuple[ShardingStrategy | str, bool | None]:
+    """Our strategy from a name, our enum or FSDP1's enum, and the ``reshard_after_forward`` it implies;
+    ``"auto"`` (any case) stays ``"auto"`` (the auto plan chooses)."""
     from torch.distributed.fsdp import ShardingStrategy as FSDP1Strategy
 
     if isinstance(value, FSDP1Strategy):
         value = value.name
     if isinstance(value, str) and value.upper() == "_HYBRID_SHARD_ZERO2":
         return ShardingStrategy.HYBRID_SHARD, False
-    return ShardingStrategy.parse(value), None
+    if isinstance(value, str) and value.lower() == AUTO:
+        return AUTO, None
+    try:
+        return ShardingStrategy.parse(value), None
+    except ValueError as err:
+        raise ValueError(f"{err}, or {AUTO} (the fastest that fits memory_budget)") from None
 
 
 def wrap_policy_from(value: Any, *, key: str) -> Any:

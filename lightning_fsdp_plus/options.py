@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from lightning_fsdp_plus import compat
-from lightning_fsdp_plus.plan import MeshLayout, ShardingStrategy, check_hybrid_shard_size, resolve_mesh_layout
+from lightning_fsdp_plus.plan import AUTO, MeshLayout, ShardingStrategy, check_hybrid_shard_size, resolve_mesh_layout
 from lightning_fsdp_plus.policies import WrapPolicy, validate_wrap_policy
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -43,7 +43,9 @@ class FSDPPlusOptions:
 
     sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
     """``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD`` or ``HYBRID_SHARD`` (case-insensitive; FSDP1's
-    ``ShardingStrategy`` enum too, ``_HYBRID_SHARD_ZERO2`` = ``HYBRID_SHARD`` without resharding after forward)."""
+    ``ShardingStrategy`` enum too, ``_HYBRID_SHARD_ZERO2`` = ``HYBRID_SHARD`` without resharding after forward),
+    or ``"auto"``: predict every allowed configuration's peak memory and step time, and use the fastest that fits
+    ``memory_budget`` (``strategy.sharding_plan.auto_plan`` keeps the table; docs/autoplan.md)."""
     hybrid_shard_size: int | None = None
     """Ranks per shard group for ``HYBRID_SHARD``; must divide the world size (default: devices per node)."""
     device_mesh: Any = None
@@ -126,6 +128,24 @@ class FSDPPlusOptions:
     ``fit(ckpt_path="last")`` resumes) and exits; ``"exit"`` exits. Exit status 128 + signal number (143 for SIGTERM).
     ``None``: ``checkpoint`` when a checkpoint directory is configured, else ``exit``."""
 
+    memory_budget: Any = None
+    """``sharding_strategy="auto"``: memory per device the run may use — a size (``"40GiB"``, ``"24GB"``, bytes) or
+    a fraction of the device (``0.9``, ``"90%"``; on CPU of the host's RAM per rank on the node)."""
+    memory_margin: float = 0.1
+    """``sharding_strategy="auto"``: share of ``memory_budget`` kept free for what the estimator does not count
+    (allocator fragmentation, communication buffers, the CUDA context)."""
+    allow_quantize: tuple[str, ...] = ()
+    """``sharding_strategy="auto"``: quantizations of a LoRA run's frozen base the plan may choose (``int8``,
+    ``nf4``, ``fp4``); empty: never (it changes numerics, so only on request)."""
+    link_bandwidth: float | None = None
+    """``sharding_strategy="auto"``: GB/s (10^9 bytes) a collective moves per rank; ``None``: measured by a short
+    probe of the real process group."""
+    plan_batch_size: int | None = None
+    """``sharding_strategy="auto"``: sequences per rank per step the activations are planned for (required)."""
+    plan_seq_len: int | None = None
+    """``sharding_strategy="auto"``: tokens per sequence the activations are planned for (required: the longest
+    sequence a batch may carry)."""
+
     def __post_init__(self) -> None:
         strategy, reshard = compat.sharding_strategy_from(self.sharding_strategy)
         self._set("sharding_strategy", strategy)
@@ -161,10 +181,54 @@ class FSDPPlusOptions:
         if self.process_group_backend is not None and not isinstance(self.process_group_backend, str):
             raise ValueError(f"process_group_backend={self.process_group_backend!r} must be a backend name or None")
         self._set("timeout", _timeout(self.timeout))
+        self._check_auto_plan()
         if self.on_preempt is not None and self.on_preempt not in ON_PREEMPT_CHOICES:
             raise ValueError(
                 f"on_preempt={self.on_preempt!r} is not one of {', '.join(ON_PREEMPT_CHOICES)} (or None: checkpoint"
                 " when a checkpoint directory is configured)"
+            )
+
+    @property
+    def auto(self) -> bool:
+        """Whether the auto plan chooses the configuration (``sharding_strategy="auto"``)."""
+        return self.sharding_strategy == AUTO
+
+    def _check_auto_plan(self) -> None:
+        from lightning_fsdp_plus.autoplan.budget import check_budget
+        from lightning_fsdp_plus.quantization import QUANTIZE_CHOICES
+
+        if self.memory_budget is not None:
+            check_budget(self.memory_budget)
+        margin = self.memory_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ValueError(f"memory_margin={margin!r} must be a fraction of memory_budget in [0, 1)")
+        allowed = self.allow_quantize
+        if isinstance(allowed, str) or not isinstance(allowed, Sequence):
+            raise ValueError(f"allow_quantize={allowed!r} must be a list of {', '.join(QUANTIZE_CHOICES)}")
+        for kind in allowed:
+            if kind not in QUANTIZE_CHOICES:
+                raise ValueError(f"allow_quantize has {kind!r}, which is not one of {', '.join(QUANTIZE_CHOICES)}")
+        self._set("allow_quantize", tuple(dict.fromkeys(allowed)))
+        bandwidth = self.link_bandwidth
+        if bandwidth is not None and (isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float))
+                                      or bandwidth <= 0):  # fmt: skip
+            raise ValueError(f"link_bandwidth={bandwidth!r} must be a positive number of GB/s, or None to measure it")
+        for key in ("plan_batch_size", "plan_seq_len"):
+            value = getattr(self, key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{key}={value!r} must be a positive integer")
+        if not self.auto:
+            return
+        missing = [key for key in ("memory_budget", "plan_batch_size", "plan_seq_len") if getattr(self, key) is None]
+        if missing:
+            raise ValueError(
+                f"sharding_strategy='auto' needs {', '.join(missing)}: the memory per device to fit in (e.g."
+                " memory_budget='40GiB' or 0.9) and the per-rank batch size and sequence length the activations are"
+                " planned for"
+            )
+        if self.device_mesh is not None:
+            raise ValueError(
+                "sharding_strategy='auto' chooses the mesh: device_mesh must be None (or pin a sharding_strategy)"
             )
 
     def _set(self, key: str, value: Any) -> None:
@@ -194,7 +258,13 @@ class FSDPPlusOptions:
         """Whether units free their unsharded parameters after forward (the option, else the strategy's rule)."""
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
-        return self.sharding_strategy.reshard_after_forward
+        return self._concrete.reshard_after_forward
+
+    @property
+    def _concrete(self) -> ShardingStrategy:
+        if isinstance(self.sharding_strategy, ShardingStrategy):
+            return self.sharding_strategy
+        raise RuntimeError("sharding_strategy='auto' is resolved by the auto plan in the strategy's setup()")
 
     def mesh_layout(self, *, world_size: int, devices_per_node: int | None = None) -> MeshLayout:
         """Replicate x shard layout at ``world_size`` ranks (``HYBRID_SHARD`` shards within a node by default)."""
@@ -215,7 +285,7 @@ class FSDPPlusOptions:
             hybrid = devices_per_node or world_size
         elif hybrid is not None:  # a size that cannot divide the world is a mistake in any mode
             check_hybrid_shard_size(hybrid_shard_size=hybrid, world_size=world_size)
-        return resolve_mesh_layout(sharding_strategy=self.sharding_strategy, world_size=world_size,
+        return resolve_mesh_layout(sharding_strategy=self._concrete, world_size=world_size,
                                    hybrid_shard_size=hybrid)  # fmt: skip
 
 

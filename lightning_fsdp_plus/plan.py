@@ -11,10 +11,14 @@ import math
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, EnumMeta
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+
+AUTO = "auto"
+"""The ``sharding_strategy`` value that lets the auto plan (:mod:`lightning_fsdp_plus.autoplan`) choose."""
 
 
 class _CaseInsensitiveNames(EnumMeta):
@@ -187,6 +191,9 @@ class ShardingPlan:
     """FSDP2's ``CPUOffloadPolicy`` for every unit (only ever true on an accelerator)."""
     forward_prefetch: bool = False
     """Explicit prefetch of the neighbouring unit in forward and backward."""
+    auto_plan: Any = None
+    """With ``sharding_strategy="auto"``: the :class:`~lightning_fsdp_plus.autoplan.AutoPlan` this plan was chosen by
+    (every candidate, its predictions, the choice)."""
 
     @property
     def bytes_per_rank(self) -> int:
@@ -223,6 +230,7 @@ class ShardingPlan:
             "cpu_offload": self.cpu_offload,
             "forward_prefetch": self.forward_prefetch,
             "bytes_per_rank": self.bytes_per_rank,
+            "auto_plan": None if self.auto_plan is None else self.auto_plan.to_dict(),
         }
 
     def format_table(self) -> str:

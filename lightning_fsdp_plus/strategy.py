@@ -29,6 +29,8 @@ from lightning_fsdp_plus._private import (
     _SubprocessScriptLauncher,
     reset_seed,
 )
+from lightning_fsdp_plus.autoplan.choose import AutoPlan
+from lightning_fsdp_plus.autoplan.resolve import decide, planning_options, predict_for_module
 from lightning_fsdp_plus.checkpoint import (
     check_optimizer_count,
     is_sharded_checkpoint,
@@ -114,6 +116,7 @@ class FSDPPlusStrategy(ParallelStrategy):
                 setattr(self, name, value)
         self._mesh_layout: MeshLayout | None = None
         self._sharding_plan: ShardingPlan | None = None
+        self._auto_plan: AutoPlan | None = None
         self._preemption: PreemptionSignals | None = None
         self._agreement: tuple[Any, Any] | None = None  # (default group, agreement group) it was built for
         self._steps_at_start = 0
@@ -203,9 +206,10 @@ class FSDPPlusStrategy(ParallelStrategy):
     def mesh_layout(self) -> MeshLayout:
         """Replicate x shard layout for the current world size."""
         if self._mesh_layout is None:
-            self._mesh_layout = self.options.mesh_layout(
-                world_size=self.world_size, devices_per_node=self.num_processes or 1
-            )
+            # before the auto plan has chosen: FULL_SHARD's 1-D mesh (setup() rebuilds it for the choice)
+            options = self.options.replace(sharding_strategy="FULL_SHARD") if self.options.auto else self.options
+            per_node = self.num_processes or 1
+            self._mesh_layout = options.mesh_layout(world_size=self.world_size, devices_per_node=per_node)
         return self._mesh_layout
 
     @property
@@ -263,9 +267,42 @@ class FSDPPlusStrategy(ParallelStrategy):
         # resolve wrap and checkpointing class names against the model (unless configure_model builds layers).
         if model is not None and not is_overridden("configure_model", model):
             prepare_model(model, self.options)
-            plan_model(model, self.options, layout=self.mesh_layout, precision=str(self.precision_plugin.precision),
-                       device_type=self._device_type)  # fmt: skip
+            if self.options.auto:  # a budget nothing fits fails here, before any process starts
+                self._auto_plan = self._predict_auto(model)
+            else:
+                plan_model(model, self.options, layout=self.mesh_layout,
+                           precision=str(self.precision_plugin.precision), device_type=self._device_type)  # fmt: skip
         self.__dict__["_fsdp_plus_module"] = model
+
+    # ------------------------------------------------------------------ the auto plan (see autoplan/)
+    def _predict_auto(self, module: torch.nn.Module) -> AutoPlan:
+        """Every candidate's memory for ``module`` (NoFitError when none fits)."""
+        return predict_for_module(
+            module, self.options, world_size=self.num_nodes * self.num_processes,
+            precision=str(self.precision_plugin.precision), device=self.root_device if self.parallel_devices else
+            torch.device("cpu"), ranks_per_node=self.num_processes or 1,
+        )  # fmt: skip
+
+    def _resolve_auto(self) -> None:
+        """Probe, choose, print the table on rank 0, and continue with the chosen options and their mesh."""
+        assert self.model is not None and self.lightning_module is not None
+        prepare_model(self.model, self.options)  # a model built in configure_model gets its LoRA now
+        memory = self._auto_plan
+        if memory is None or memory.world_size != self.world_size:
+            memory = self._predict_auto(self.model)
+        config, _, _ = planning_options(self.model, self.options)
+        plan = decide(memory, self.options, config=config, device=self.root_device)
+        rank_zero_info(plan.format_table())
+        self._auto_plan = plan
+        self.options = plan.choice.candidate.options(self.options)
+        self._mesh_layout = None
+        self._device_mesh = build_mesh(layout=self.mesh_layout, device_type=self.root_device.type, given=None)
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def auto_plan(self) -> AutoPlan | None:
+        """With ``sharding_strategy="auto"``: the candidates, their predictions and (after setup) the choice."""
+        return self._auto_plan
 
     # ------------------------------------------------------------------ setup
     @override
@@ -331,6 +368,11 @@ class FSDPPlusStrategy(ParallelStrategy):
                 " choose the units"
             )
         if is_sharded(self.model):
+            if self.options.auto:
+                raise ValueError(
+                    "sharding_strategy='auto' chooses how to shard, but configure_model already called fully_shard:"
+                    " remove those calls or pin a sharding_strategy"
+                )
             if self._sharding_plan is None:  # not ours: the user called fully_shard in configure_model
                 rank_zero_info(
                     "fsdp_plus: the model is already sharded (fully_shard in configure_model); using it as is."
@@ -344,6 +386,8 @@ class FSDPPlusStrategy(ParallelStrategy):
             materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn,
                               report=rank_zero_info)  # fmt: skip
         else:
+            if self.options.auto:
+                self._resolve_auto()
             self.model, self._sharding_plan = build_sharded_model(
                 self.model,
                 self.options,
@@ -353,6 +397,8 @@ class FSDPPlusStrategy(ParallelStrategy):
                 device=self.root_device,
                 report=rank_zero_info,
             )
+            if self._auto_plan is not None:
+                self._sharding_plan = dataclasses.replace(self._sharding_plan, auto_plan=self._auto_plan)
         offloaded = self.options.cpu_offload and self.root_device.type != "cpu"
         if not offloaded:
             self.model_to_device()
@@ -578,7 +624,8 @@ class FSDPPlusStrategy(ParallelStrategy):
         return self._device_mesh
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(sharding_strategy={self.options.sharding_strategy.value})"
+        strategy = self.options.sharding_strategy
+        return f"{type(self).__name__}(sharding_strategy={getattr(strategy, 'value', strategy)})"
 
 
 def _init_signature() -> inspect.Signature:

@@ -150,3 +150,26 @@ def test_nf4_base_bytes_per_rank(strategy_runs):
         assert sharded <= 0.16 * bf16
     sharded_plan = load_case(out, "lora_nf4_sharded").rank0["plan"]
     assert not sharded_plan["replicated"] and load_case(out, "lora_nf4_replicated").rank0["plan"]["replicated"]
+
+
+def test_auto_plan_picks_the_only_candidate_that_fits_on_every_rank_and_trains_like_the_reference(
+    strategy_runs, lora_reference
+):
+    out, output = strategy_runs
+    result = load_case(out, "auto_lora_int8")
+    plans = [rank["plan"]["auto_plan"] for rank in result.ranks]
+    assert plans[0]["chosen"] == plans[1]["chosen"] is not None  # every rank chose the same
+    plan = plans[0]
+    chosen = plan["candidates"][plan["chosen"]]
+    peaks = [c["peak_bytes"] for c in plan["candidates"]]
+    # the budget sits between the two lowest predicted peaks: exactly the leanest candidate fits
+    assert [c["fits"] for c in plan["candidates"]] == [p == min(peaks) for p in peaks]
+    assert chosen["peak_bytes"] == min(peaks) <= plan["usable_bytes"]
+    assert chosen["candidate"]["quantize_base"] == "int8" and chosen["candidate"]["sharding_strategy"] == (
+        result.rank0["plan"]["sharding_strategy"])  # fmt: skip
+    for rank in result.ranks:  # the measured tensor-accounted peak is within the budget
+        assert rank["monitor"]["peak"]["tensor_total"] <= plan["budget_bytes"]
+    assert "auto plan for llama (2 layers, hidden 256)" in output and f"chosen: #{plan['chosen'] + 1} " in output
+    losses, lora = lora_reference  # an int8 base, whatever else was chosen: the int8 reference's numerics
+    assert max(abs(a - b) for a, b in zip(result.rank0["losses"], losses, strict=True)) < 1e-5
+    assert max((result.state[f"model.{k}"] - v).abs().max().item() for k, v in lora.items()) < 1e-5

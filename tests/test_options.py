@@ -38,7 +38,10 @@ def test_the_hydra_schema_is_derived_field_by_field():
     assert list(schema) == ["_target_", *FIELDS]
     assert schema["timeout"].default == FSDPPlusOptions().timeout.total_seconds()
     assert schema["quantize_skip"].default_factory() == list(FSDPPlusOptions().quantize_skip)
-    assert schema["sharding_strategy"].type is ShardingStrategy and schema["cpu_offload"].type is bool
+    # a strategy name or "auto" (the options validate both); the auto plan's list and optional number
+    assert schema["sharding_strategy"].type is str and schema["sharding_strategy"].default == "FULL_SHARD"
+    assert schema["cpu_offload"].type is bool and schema["allow_quantize"].default_factory() == []
+    assert schema["link_bandwidth"].type == float | None and schema["plan_batch_size"].type == int | None
 
 
 def test_defaults_and_normalisation():
@@ -66,11 +69,40 @@ def test_defaults_and_normalisation():
         ({"param_init_fn": 3}, "param_init_fn=3 must be a callable"),
         ({"ignored_modules": [3]}, "ignored_modules entry 3 is neither a module, a parameter nor a class name"),
         ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be true or false"),
+        ({"sharding_strategy": "fastest"}, r"'fastest' is not one of FULL_SHARD, .*HYBRID_SHARD, or auto"),
+        ({"sharding_strategy": "auto"}, "sharding_strategy='auto' needs memory_budget, plan_batch_size, plan_seq_len"),
+        ({"sharding_strategy": "AUTO", "memory_budget": "8GiB", "plan_batch_size": 1}, "needs plan_seq_len"),
+        ({"memory_budget": "lots"}, r"memory_budget='lots' is not a size \('40GiB', '24GB'.* or a fraction"),
+        ({"memory_budget": 1.5}, "memory_budget=1.5 is not a size"),
+        ({"memory_margin": 1.0}, r"memory_margin=1.0 must be a fraction of memory_budget in \[0, 1\)"),
+        ({"allow_quantize": "int8"}, "allow_quantize='int8' must be a list of int8, nf4, fp4"),
+        ({"allow_quantize": ["int4"]}, "allow_quantize has 'int4', which is not one of int8, nf4, fp4"),
+        ({"link_bandwidth": 0}, "link_bandwidth=0 must be a positive number of GB/s"),
+        ({"plan_seq_len": 0}, "plan_seq_len=0 must be a positive integer"),
+        (
+            {
+                "sharding_strategy": "auto",
+                "memory_budget": 0.9,
+                "plan_batch_size": 1,
+                "plan_seq_len": 8,
+                "device_mesh": (1, 2),
+            },
+            "sharding_strategy='auto' chooses the mesh: device_mesh must be None",
+        ),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_the_choices(fields, message):
     with pytest.raises(ValueError, match=message):
         FSDPPlusOptions(**fields)
+
+
+def test_auto_is_kept_until_the_plan_resolves_it():
+    options = FSDPPlusOptions(sharding_strategy="Auto", memory_budget="40GiB", plan_batch_size=2, plan_seq_len=512,
+                              allow_quantize=["nf4", "int8", "nf4"])  # fmt: skip
+    assert options.auto and options.sharding_strategy == "auto" and options.allow_quantize == ("nf4", "int8")
+    with pytest.raises(RuntimeError, match="resolved by the auto plan"):
+        options.mesh_layout(world_size=2)
+    assert not FSDPPlusOptions(memory_budget="1GiB").auto  # a budget alone changes nothing
 
 
 def test_mesh_layout_follows_the_strategy_hybrid_size_and_a_mesh_tuple():

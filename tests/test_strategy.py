@@ -145,3 +145,40 @@ def test_lora_and_int8_model_errors_fail_in_fit_before_any_process_starts(strate
         trainer.fit(make_module())
     assert not dist.is_initialized()
     assert "LOCAL_RANK" not in os.environ
+
+
+def auto(**kwargs) -> FSDPPlusStrategy:
+    return FSDPPlusStrategy("auto", **{"memory_budget": "1GiB", "plan_batch_size": 2, "plan_seq_len": 16, **kwargs})
+
+
+@pytest.mark.parametrize(
+    ("strategy", "make_module", "message"),
+    [
+        (lambda: auto(memory_budget="64KiB", lora={"r": 4}), lambda: CausalLMModule(tiny_llama(0)),
+         r"memory_budget=64KiB leaves 57.6 KiB per device after memory_margin=0.1, and none of the 10 candidates fits"
+         r" at 2 rank\(s\), batch 2 x 16 tokens. Closest: FULL_SHARD \+ checkpointing needs .* per rank, .* \([0-9,]+"
+         r" bytes\) more than the budget allows"),
+        (lambda: auto(), lambda: TinyLM(),
+         "sharding_strategy='auto' predicts memory from the transformers model's config, and TinyLM holds no"
+         " transformers PreTrainedModel"),
+        (lambda: auto(allow_quantize=["int8"]), lambda: CausalLMModule(tiny_llama(0)),
+         r"allow_quantize=\['int8'\] quantizes a frozen base, and this run trains every parameter"),
+    ],
+)  # fmt: skip
+def test_auto_plan_errors_fail_in_fit_before_any_process_starts(strategy, make_module, message):
+    trainer = cpu_trainer(strategy=strategy(), max_steps=1)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(make_module())
+    assert not dist.is_initialized()
+    assert "LOCAL_RANK" not in os.environ
+
+
+def test_auto_plan_memory_is_predicted_in_fit_before_the_launch(monkeypatch):
+    strategy = auto(lora={"r": 4})
+    monkeypatch.setattr(strategy, "_configure_launcher", lambda: None)  # stop at the launcher: no processes
+    trainer = cpu_trainer(strategy=strategy, max_steps=1)
+    trainer.strategy._lightning_module = CausalLMModule(tiny_llama(0))
+    plan = strategy.auto_plan
+    assert plan is not None and plan.world_size == 2 and plan.chosen is None and plan.fitting
+    assert len(plan.predictions) == 10 and plan.budget == 2**30  # 3 layouts, lora_only on 2 of them, checkpointing
+    assert repr(strategy) == "FSDPPlusStrategy(sharding_strategy=auto)"

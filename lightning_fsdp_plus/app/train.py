@@ -119,8 +119,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "sharding_strategy": trainer.strategy.sharding_strategy.value,
         "strategy_preset": HydraConfig.get().runtime.choices.get("strategy"),
         "precision": cfg.precision.name,
-        "lora_only": cfg.strategy.lora_only,
-        "quantize_base": cfg.strategy.quantize_base,
+        "lora_only": trainer.strategy.lora_only,  # the strategy's: the auto plan may have chosen them
+        "quantize_base": trainer.strategy.quantize_base,
+        "activation_checkpointing": trainer.strategy.activation_checkpointing is not None,
         "world_size": trainer.world_size,
         "fit_time_s": fit_seconds,
         **run_metrics.summary(trainer),

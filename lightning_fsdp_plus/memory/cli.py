@@ -7,17 +7,26 @@
 
 A table for people by default (GB = 10^9 bytes); ``--json`` prints a machine-readable document (a list of
 them for several world sizes) whose ``strategies`` maps each sharding strategy to its figures in bytes.
+
+With ``--budget 24GiB`` (needs ``--config``, one world size) it prints the auto plan's table instead: every
+candidate configuration the strategy's ``sharding_strategy="auto"`` would consider, its predicted peak and step
+time, and the choice (``--hardware h100|a100|l4`` assumed GPU figures, or ``cpu``: this machine's compute
+probed, ``--link-bandwidth`` GB/s; ``--allow-quantize int8 nf4``; ``--memory-margin``). Exit status 2 when
+nothing fits, with the closest candidate and the bytes missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from lightning_fsdp_plus.autoplan.budget import device_memory
+from lightning_fsdp_plus.autoplan.cost import CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY, PRESETS, Hardware
 from lightning_fsdp_plus.lora import DEFAULT_TARGETS
 from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES
 from lightning_fsdp_plus.memory.estimate import (
@@ -27,6 +36,7 @@ from lightning_fsdp_plus.memory.estimate import (
     ModelDescription,
     estimate_memory,
 )
+from lightning_fsdp_plus.memory.fake import load_config
 from lightning_fsdp_plus.options import field_docs
 from lightning_fsdp_plus.quantization import QUANTIZE_CHOICES
 
@@ -52,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--config", help="a transformers config.json (or its directory); local files only")
     parser.add_argument("--world-size", type=int, nargs="+", required=True, help="one or more world sizes")
     parser.add_argument("--strategy", default="all", help=f"one of {', '.join(STRATEGY_CHOICES)} (any case)")
-    docs = field_docs()  # the options' own docstrings: one description per option
+    docs = {k: v.replace("%", "%%") for k, v in field_docs().items()}  # the options' own docstrings (argparse-safe)
     parser.add_argument("--hybrid-shard-size", type=int, help=docs.get("hybrid_shard_size"))
     parser.add_argument("--precision", default="bf16-mixed", choices=list(PRECISION_BYTES))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
@@ -78,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--simulate", action="store_true", help="also run torch's FSDP2 memory tracker (fake PG)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan = parser.add_argument_group("auto plan (--budget)")
+    plan.add_argument("--budget", help=docs.get("memory_budget"))
+    plan.add_argument("--memory-margin", type=float, default=0.1, help=docs.get("memory_margin"))
+    plan.add_argument("--allow-quantize", nargs="*", default=[], choices=list(QUANTIZE_CHOICES),
+                      help=docs.get("allow_quantize"))  # fmt: skip
+    plan.add_argument("--hardware", default="h100", choices=[*PRESETS, "cpu"],
+                      help="assumed GPU figures, or cpu: this machine probed (default: %(default)s)")  # fmt: skip
+    plan.add_argument("--link-bandwidth", type=float, help="GB/s per rank for collectives (overrides --hardware's)")
     return parser
 
 
@@ -121,16 +139,79 @@ def _documents(model: ModelDescription, estimates: list[MemoryEstimate], inputs:
     return docs[0] if len(docs) == 1 else docs
 
 
+def _lora(args: argparse.Namespace) -> dict[str, Any] | None:
+    if args.lora_rank is None:
+        return None
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
+    return {"r": args.lora_rank, "alpha": 2 * args.lora_rank, "dropout": 0.0, "target_modules": targets}
+
+
+def _hardware(args: argparse.Namespace) -> Hardware:
+    """The ``--hardware`` preset, or this machine's compute probed (one process: no link to measure)."""
+    if args.hardware in PRESETS:
+        hardware = PRESETS[args.hardware]
+    else:
+        import torch
+
+        from lightning_fsdp_plus.autoplan.probe import hardware_from, measure
+
+        config = load_config(args.config)
+        timings = measure(features=(config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)),
+                          tokens=args.batch_size * args.seq_len, precision=args.precision, device=torch.device("cpu"),
+                          quantize=[q for q in args.allow_quantize if q])  # fmt: skip
+        hardware = dataclasses.replace(hardware_from([timings], world_size=1, accelerator=False),
+                                       link_bandwidth=CPU_LINK_BANDWIDTH, link_latency=CPU_LINK_LATENCY,
+                                       source="this CPU probed; gloo loopback link assumed")  # fmt: skip
+    return hardware.with_link_bandwidth(args.link_bandwidth)
+
+
+def run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """``--budget``: the auto plan's table for the config (exit 2 when nothing fits)."""
+    import torch
+
+    from lightning_fsdp_plus.autoplan import NoFitError, parse_budget, predict_memory
+    from lightning_fsdp_plus.memory.estimate import estimate_options
+    from lightning_fsdp_plus.memory.fake import ForwardBatch
+
+    if args.config is None:
+        parser.error("--budget needs --config (activations decide what fits; --params has none)")
+    if len(args.world_size) != 1:
+        parser.error(f"--budget plans for one world size; got --world-size {' '.join(map(str, args.world_size))}")
+    lora = _lora(args)
+    if args.allow_quantize and lora is None:
+        parser.error("--allow-quantize quantizes a frozen base: give --lora-rank (a LoRA run)")
+    hardware = _hardware(args)
+    try:
+        options = estimate_options(None, lora=lora, memory_margin=args.memory_margin,
+                                   **({"quantize_blocksize": args.quantize_blocksize,
+                                       "quantize_double": args.quantize_double}))  # fmt: skip
+        memory = hardware.device_memory or device_memory(torch.device("cpu"))
+        plan = predict_memory(
+            args.config, options=options, world_size=args.world_size[0], precision=args.precision,
+            batch=ForwardBatch(args.batch_size, args.seq_len, args.padded), margin=args.memory_margin,
+            budget=parse_budget(args.budget, device_memory=memory, key="--budget"), budget_text=args.budget,
+            quantize=(args.quantize_base,) if args.quantize_base else (None, *args.allow_quantize),
+            lora_run=lora is not None, accelerator=hardware.accelerator, optimizer=args.optimizer,
+        )  # fmt: skip
+        plan.require_fit()
+    except NoFitError as err:
+        sys.stdout.write(plan.format_table())
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    except (EstimateError, ValueError) as err:
+        parser.error(str(err))
+    plan = plan.with_hardware(hardware)
+    return json.dumps(plan.to_dict(), indent=1) + "\n" if args.json else plan.format_table()
+
+
 def run(argv: Sequence[str] | None = None) -> str:
     """Parse ``argv``, estimate, and return the text to print (raises ``SystemExit(2)`` on bad input)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.budget is not None:
+        return run_plan(parser, args)
     if args.lora_rank is not None and args.config is None:
         parser.error("--lora-rank needs --config (the layers to adapt); with --params use --trainable-fraction")
-    lora = None
-    if args.lora_rank is not None:
-        targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()]
-        lora = {"r": args.lora_rank, "alpha": 2 * args.lora_rank, "dropout": 0.0, "target_modules": targets}
+    lora = _lora(args)
     inputs = {k: v for k, v in vars(args).items() if k != "json"}
     try:
         model, estimates = estimate_memory(

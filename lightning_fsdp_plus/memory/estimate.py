@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES, PrecisionBytes
-from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, fake_model
+from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, config_source, fake_model
 from lightning_fsdp_plus.memory.monitor import SavedActivations
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.pipeline import plan_model
@@ -180,10 +180,15 @@ def estimate_strategy(
         ).shard
     except ValueError as err:
         raise EstimateError(str(err)) from None
-    everything = [(p, shard) for unit in model.units for p in unit] + [(p, 1) for p in model.replicated]
-    stored = sum(_elements(p, s) * _per_element(p, pb.stored) for p, s in everything)
-    grads = sum(_elements(p, s) * pb.grad for p, s in everything if p.trainable)
-    opt = sum(_elements(p, s) * states * pb.state for p, s in everything if p.trainable)
+    managed = [(p, shard) for unit in model.units for p in unit]
+    kept_whole = [(p, 1) for p in model.replicated]
+
+    def state(pairs: list[tuple[ParamInfo, int]]) -> tuple[int, int, int]:
+        stored = sum(_elements(p, s) * _per_element(p, pb.stored) for p, s in pairs)
+        grads = sum(_elements(p, s) * pb.grad for p, s in pairs if p.trainable)
+        return stored, grads, sum(_elements(p, s) * states * pb.state for p, s in pairs if p.trainable)
+
+    (stored, grads, opt), (r_stored, r_grads, r_opt) = state(managed), state(kept_whole)
 
     def compute_copy(unit: Iterable[ParamInfo]) -> int:
         return sum(p.numel * _per_element(p, pb.compute) for p in unit)
@@ -198,8 +203,9 @@ def estimate_strategy(
         transient = max(unsharded_grads(u) + (compute_copy(u) if regather else 0) for u in model.units)
         transient += model.recompute_bytes
     host = 0
-    if cpu_offload:  # FSDP2's CPUOffloadPolicy keeps the sharded state in host memory
+    if cpu_offload:  # FSDP2's CPUOffloadPolicy keeps the state of the parameters it manages in host memory
         host, stored, grads, opt = stored + grads + opt, 0, 0, 0
+    stored, grads, opt = stored + r_stored, grads + r_grads, opt + r_opt  # parameters FSDP ignores stay put
     end_of_forward, end_of_backward = stored + opt + kept, stored + opt + grads
     act = model.activation_bytes
     peak = None if act is None else max(end_of_forward + act, end_of_backward)
@@ -286,26 +292,50 @@ def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
     return counter.bytes
 
 
-def describe_config(
-    config: str | Path, *, precision: str, options: FSDPPlusOptions, batch: ForwardBatch
-) -> ModelDescription:
+def describe_config(config: Any, *, precision: str, options: FSDPPlusOptions, batch: ForwardBatch) -> ModelDescription:
     """Build the config's model on FakeTensors (no memory), prepared by the pipeline as the strategy prepares it
     (LoRA, int8), count one forward's activations, and describe it.
 
     With ``options.activation_checkpointing`` the plan's checkpointed modules are checkpointed and the forward
     counted again; what one of them recomputes in backward is the saved bytes it no longer keeps, per module.
     """
-    with fake_model(config, dtype=compute_dtype(precision), options=options, batch=batch) as (model, inputs):
-        description = describe_module(model, options=options, source=str(config))
+    checkpointed = options.activation_checkpointing is not None
+    variants = describe_config_variants(config, precision=precision, options=options, batch=batch,
+                                        lora_only=(options.lora_only,), checkpointing=(checkpointed,))  # fmt: skip
+    return variants[options.lora_only, checkpointed]
+
+
+def describe_config_variants(
+    config: Any,
+    *,
+    precision: str,
+    options: FSDPPlusOptions,
+    batch: ForwardBatch,
+    lora_only: Sequence[bool] = (False,),
+    checkpointing: Sequence[bool] = (False,),
+) -> dict[tuple[bool, bool], ModelDescription]:
+    """``(lora_only, checkpointed) -> description`` for every pair asked, from one FakeTensor build (the auto plan
+    describes many candidates; only quantization needs another build). ``config``: a ``config.json`` path or a
+    transformers config object. Checkpointing uses ``options.activation_checkpointing``, else the wrap policy's
+    units (every unit but the root)."""
+    built = options.replace(lora_only=False, activation_checkpointing=None)
+    policy = options.activation_checkpointing if options.activation_checkpointing is not None else (
+        options.auto_wrap_policy)  # fmt: skip
+    one_unit = MeshLayout(replicate=1, shard=1)
+    with fake_model(config, dtype=compute_dtype(precision), options=built, batch=batch) as (model, inputs):
+        plain = {mode: describe_module(model, options=built.replace(lora_only=mode), source=config_source(config))
+                 for mode in lora_only}  # fmt: skip
         activations = count_activations(lambda: model(**inputs).loss, precision=precision)
-        recompute = 0
-        if options.activation_checkpointing is not None:
-            paths = plan_model(model, options, layout=MeshLayout(replicate=1, shard=1), precision=precision,
-                               device_type="cpu").activation_checkpointing  # fmt: skip
+        out = {(mode, False): replace(d, activation_bytes=activations) for mode, d in plain.items()}
+        if True in checkpointing:
+            paths = plan_model(model, built.replace(activation_checkpointing=policy), layout=one_unit,
+                               precision=precision, device_type="cpu").activation_checkpointing  # fmt: skip
             apply_activation_checkpointing(model, paths)
             kept = count_activations(lambda: model(**inputs).loss, precision=precision)
-            recompute, activations = (activations - kept) // max(len(paths), 1), kept
-    return replace(description, activation_bytes=activations, recompute_bytes=recompute)
+            recompute = (activations - kept) // max(len(paths), 1)
+            out |= {(mode, True): replace(d, activation_bytes=kept, recompute_bytes=recompute)
+                    for mode, d in plain.items()}  # fmt: skip
+    return {key: value for key, value in out.items() if key[1] in checkpointing}
 
 
 def estimate_options(options: FSDPPlusOptions | None, **fields: Any) -> FSDPPlusOptions:

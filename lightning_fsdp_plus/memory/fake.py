@@ -50,10 +50,13 @@ class CausalLMHolder(nn.Module):
         return self.model(**batch)
 
 
-def load_config(path: str | Path) -> Any:
-    """A transformers config from ``config.json`` or a directory holding one (local files only)."""
-    from transformers import AutoConfig
+def load_config(path: Any) -> Any:
+    """A transformers config from ``config.json`` or a directory holding one (local files only); a config object
+    is returned as it is."""
+    from transformers import AutoConfig, PretrainedConfig
 
+    if isinstance(path, PretrainedConfig):
+        return path
     target = Path(path)
     file = target / "config.json" if target.is_dir() else target
     try:
@@ -82,9 +85,17 @@ def build_meta_model(hf_config: Any, *, dtype: torch.dtype, options: FSDPPlusOpt
     return holder
 
 
+def config_source(config: Any) -> str:
+    """How a config reads in tables: its path, or the model type and size of a config object."""
+    if isinstance(config, (str, Path)):
+        return str(config)
+    layers = getattr(config, "num_hidden_layers", "?")
+    return f"{getattr(config, 'model_type', type(config).__name__)} ({layers} layers, hidden {config.hidden_size})"
+
+
 @contextmanager
 def fake_model(
-    config: str | Path, *, dtype: torch.dtype, options: FSDPPlusOptions, batch: ForwardBatch
+    config: Any, *, dtype: torch.dtype, options: FSDPPlusOptions, batch: ForwardBatch
 ) -> Iterator[tuple[nn.Module, dict]]:
     """``(model, batch)`` on CPU FakeTensors inside ``FakeTensorMode``: the prepared model in ``dtype`` and one
     example batch."""

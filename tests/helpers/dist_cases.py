@@ -28,10 +28,12 @@ from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.accounting import local_bytes
+from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.quantization import FourBitLinear, Int8Linear
 from tests.helpers.models import (
     LORA,
     LORA_LLAMA,
+    SEQ,
     Block,
     FixedBatches,
     StridedSampler,
@@ -89,6 +91,18 @@ CASES: dict[str, dict] = {
     # QLoRA: the same two modes over a 4-bit NF4 base (compared with bnb.nn.Linear4bit + PEFT in one process)
     "lora_nf4_replicated": {"strategy": {"lora_only": True, "quantize_base": "nf4"}, "lora": "module"},
     "lora_nf4_sharded": {"strategy": {"lora_only": False, "quantize_base": "nf4", "lora": LORA}, "lora": "strategy"},
+    # the auto plan, with a budget only the leanest candidate fits (an int8 one: numerics as the int8 reference)
+    "auto_lora_int8": {
+        "strategy": {
+            "sharding_strategy": "auto",
+            "lora": LORA,
+            "allow_quantize": ["int8"],
+            "plan_batch_size": 4,
+            "plan_seq_len": SEQ,
+        },
+        "lora": "strategy",
+        "auto": True,
+    },
     "lora_int8_sharded_bf16_mixed": {
         "strategy": {"quantize_base": "int8", "lora": LORA},
         "lora": "strategy",
@@ -223,8 +237,11 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
     trainer_kwargs = {"use_distributed_sampler": False, **spec.get("trainer", {})}
     if "plugins" in spec:
         trainer_kwargs["plugins"] = [FSDPPlusPrecision(spec["plugins"])]
+    strategy_kwargs = dict(spec["strategy"])
+    if spec.get("auto"):
+        strategy_kwargs["memory_budget"] = leanest_only_budget(FSDPPlusOptions(**strategy_kwargs, memory_budget=1))
     trainer = Trainer(
-        strategy=FSDPPlusStrategy(**spec["strategy"], start_method=start_method),
+        strategy=FSDPPlusStrategy(**strategy_kwargs, start_method=start_method),
         accelerator="cpu",
         devices=2,
         max_steps=LORA_STEPS if "lora" in spec else STEPS,
@@ -253,6 +270,18 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         trainer.fit(module)
         if start_method != "popen":  # the main process received the trained weights from the workers
             torch.save(module.state_dict(), out / f"{name}.main.pt")
+
+
+def leanest_only_budget(options: FSDPPlusOptions) -> int:
+    """A budget (bytes) between the smallest and the next predicted peak of ``options``' candidates at 2 ranks."""
+    from lightning_fsdp_plus.autoplan import predict_memory
+    from lightning_fsdp_plus.memory.fake import ForwardBatch
+
+    plan = predict_memory(tiny_llama(0, **LORA_LLAMA).config, options=options.replace(sharding_strategy="FULL_SHARD"),
+                          world_size=2, precision="32-true", batch=ForwardBatch(4, SEQ), budget=1, margin=0.1,
+                          quantize=(None, *options.allow_quantize), lora_run=True)  # fmt: skip
+    lowest, second = sorted({p.peak_bytes for p in plan.predictions})[:2]
+    return int((lowest + second) / 2 / (1 - options.memory_margin))
 
 
 def parse_args() -> argparse.Namespace:

@@ -50,8 +50,8 @@ def _hydra_field(item: dataclasses.Field) -> tuple[str, Any, Any]:
         kind, default = float | None, default.total_seconds()
     elif base in primitive:
         kind = primitive[base] | None if optional else primitive[base]
-    elif base == ShardingStrategy.__name__:
-        kind = ShardingStrategy
+    elif base == ShardingStrategy.__name__:  # a name, or "auto" (the options check both)
+        kind, default = str, default.value
     elif base.startswith("Literal["):
         kind = str | None if optional else str
     elif base.startswith("tuple[str"):

@@ -1,0 +1,102 @@
+"""The configurations the auto plan chooses among: every combination the user allows.
+
+Sharding strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, and ``HYBRID_SHARD`` at every shard-group size
+that divides the world, other than 1 and the world itself, which equal ``NO_SHARD``-like replication and
+``FULL_SHARD``), ``lora_only`` on and off for LoRA runs (not with ``NO_SHARD``, where nothing is sharded anyway),
+activation checkpointing off and per unit, CPU offload on accelerators, and quantization of the frozen base only
+for the kinds the user allowed (``allow_quantize``: it changes numerics).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.plan import ShardingStrategy
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the auto plan considers."""
+
+    sharding_strategy: ShardingStrategy
+    """The sharding strategy."""
+    hybrid_shard_size: int | None = None
+    """Ranks per shard group (``HYBRID_SHARD`` only)."""
+    lora_only: bool = False
+    """The frozen base replicated, only the trainable parameters sharded."""
+    activation_checkpointing: bool = False
+    """Every unit but the root recomputed in backward."""
+    cpu_offload: bool = False
+    """Sharded state in host memory (accelerators only)."""
+    quantize_base: str | None = None
+    """The frozen base's quantization, if any."""
+
+    @property
+    def strategy_name(self) -> str:
+        """``HYBRID_SHARD/4`` for a hybrid candidate, else the strategy's name."""
+        value = self.sharding_strategy.value
+        return f"{value}/{self.hybrid_shard_size}" if self.hybrid_shard_size else value
+
+    @property
+    def label(self) -> str:
+        """One line: ``FULL_SHARD + lora_only + checkpointing + int8``."""
+        parts = [self.strategy_name]
+        parts += ["lora_only"] if self.lora_only else []
+        parts += ["checkpointing"] if self.activation_checkpointing else []
+        parts += ["cpu_offload"] if self.cpu_offload else []
+        parts += [self.quantize_base] if self.quantize_base else []
+        return " + ".join(parts)
+
+    def options(self, base: FSDPPlusOptions) -> FSDPPlusOptions:
+        """``base`` with this candidate's choices (checkpointing the user's policy, else the wrap policy's units)."""
+        checkpointing = base.activation_checkpointing if base.activation_checkpointing is not None else (
+            base.auto_wrap_policy)  # fmt: skip
+        return base.replace(
+            sharding_strategy=self.sharding_strategy,
+            hybrid_shard_size=self.hybrid_shard_size,
+            lora_only=self.lora_only,
+            activation_checkpointing=checkpointing if self.activation_checkpointing else None,
+            cpu_offload=self.cpu_offload,
+            quantize_base=self.quantize_base,
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """The choices as plain values (the options to pin for a run without ``auto``)."""
+        return {
+            "sharding_strategy": self.sharding_strategy.value,
+            "hybrid_shard_size": self.hybrid_shard_size,
+            "lora_only": self.lora_only,
+            "activation_checkpointing": self.activation_checkpointing,
+            "cpu_offload": self.cpu_offload,
+            "quantize_base": self.quantize_base,
+        }
+
+
+def hybrid_sizes(world_size: int) -> list[int]:
+    """Shard-group sizes ``HYBRID_SHARD`` adds: divisors of the world other than 1 and the world."""
+    return [s for s in range(2, world_size) if world_size % s == 0]
+
+
+def enumerate_candidates(
+    *,
+    world_size: int,
+    lora_run: bool,
+    quantize: Sequence[str | None] = (None,),
+    accelerator: bool = False,
+) -> list[Candidate]:
+    """Every allowed combination, in a stable order (the table's and the tie-break's)."""
+    layouts: list[tuple[ShardingStrategy, int | None]] = [(ShardingStrategy.FULL_SHARD, None),
+                                                          (ShardingStrategy.SHARD_GRAD_OP, None)]  # fmt: skip
+    layouts += [(ShardingStrategy.HYBRID_SHARD, size) for size in hybrid_sizes(world_size)]
+    layouts += [(ShardingStrategy.NO_SHARD, None)]
+    out = []
+    for strategy, size in layouts:
+        modes = (False, True) if lora_run and strategy is not ShardingStrategy.NO_SHARD else (False,)
+        for kind in quantize:
+            for lora_only in modes:
+                for checkpointing in (False, True):
+                    for offload in (False, True) if accelerator else (False,):
+                        out.append(Candidate(strategy, size, lora_only, checkpointing, offload, kind))
+    return out

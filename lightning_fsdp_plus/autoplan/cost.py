@@ -1,0 +1,200 @@
+"""The step-time model: compute, collectives over a link, the optimizer, PCIe under offload.
+
+Per rank and optimizer step, with T = batch x sequence tokens, W = weights (a quantized weight counts once,
+whatever its bytes), F = matmul FLOP/s in the compute dtype and F_q the effective FLOP/s of a quantized frozen
+layer (dequantization included):
+
+* compute = forward 2T(W_float/F + W_quant/F_q) + backward the same (input gradients) + 2T W_trainable/F
+  (weight gradients) + with activation checkpointing the forward of every unit but the root again;
+* collectives, each ``latency + bytes on the wire / link_bandwidth`` (ring algorithms: an all-gather or a
+  reduce-scatter over S ranks moves (S-1)/S of the data, an all-reduce over R twice (R-1)/R): per unit, one
+  all-gather of its sharded parameters in the compute dtype (int8 and 4-bit bytes as stored) per forward and
+  again per backward when it reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root), a
+  reduce-scatter of its trainable gradients in the reduce dtype, and for a replicated mesh dimension
+  (NO_SHARD, HYBRID_SHARD) an all-reduce of that shard;
+* optimizer = trainable elements this rank updates ÷ optimizer elements/s (the host's under CPU offload);
+* offload = (sharded parameters copied to the device before every all-gather + gradient shards copied back) ÷
+  PCIe bandwidth;
+* step = compute + optimizer + offload + the part of the collectives compute cannot hide:
+  max(0, collectives - overlap x compute). ``overlap`` is 0 on CPU (gloo and compute share the cores; measured)
+  and 0.8 on GPUs (FSDP2 runs collectives on their own streams, prefetching the next unit).
+
+Attention's own FLOPs (a few per cent at 2k tokens) and per-module Python overhead (the same for every candidate)
+are left out: the model ranks candidates, it does not forecast wall time to the percent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from lightning_fsdp_plus.autoplan.candidates import Candidate
+from lightning_fsdp_plus.memory.assumptions import PRECISION_BYTES
+from lightning_fsdp_plus.memory.estimate import ModelDescription
+from lightning_fsdp_plus.plan import ParamInfo, resolve_mesh_layout
+
+GPU_OVERLAP = 0.8
+"""Share of the compute time that hides collectives on GPUs (separate streams, FSDP2's prefetch)."""
+CPU_LINK_BANDWIDTH = 1.1e9
+"""gloo between processes of one host (bytes/s), for ``fsdp-plus-estimate --hardware cpu``: measured by the probe
+on the development machine (2 cores) at 1.13 GB/s."""
+CPU_LINK_LATENCY = 300e-6
+"""gloo's per-collective cost on one host (seconds), measured there too (281 us)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the step-time model needs to know about the devices and the link between them."""
+
+    matmul_flops: float
+    """Matrix-multiply FLOP/s in the compute dtype (forward and backward of a linear layer)."""
+    link_bandwidth: float
+    """Bytes per second a collective moves per rank (NCCL's "bus bandwidth")."""
+    link_latency: float = 0.0
+    """Seconds every collective costs regardless of size."""
+    optimizer_rate: float = 1e9
+    """Parameter elements per second the optimizer (AdamW) updates on the device."""
+    quantized_flops: Mapping[str, float] = field(default_factory=dict)
+    """Effective FLOP/s of a quantized frozen linear layer (forward and input gradient), per kind."""
+    host_optimizer_rate: float = 1e9
+    """Elements per second of the optimizer step in host memory (CPU offload)."""
+    pcie_bandwidth: float = 0.0
+    """Host-device bytes per second (CPU offload; 0 on CPU)."""
+    overlap: float = 0.0
+    """Share of the compute time that hides collectives."""
+    accelerator: bool = False
+    """GPUs (CPU offload is a candidate) rather than CPU processes."""
+    device_memory: int = 0
+    """Bytes of one device, for budgets given as a fraction (0: ask the device)."""
+    source: str = ""
+    """Where the figures come from: a preset, a probe of the real group, the user."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields (``quantized_flops`` as a plain dict)."""
+        return asdict(self) | {"quantized_flops": dict(self.quantized_flops)}
+
+    def with_link_bandwidth(self, gb_per_s: float | None) -> Hardware:
+        """A copy with the user's link bandwidth (GB/s, 10^9 bytes) when given."""
+        if gb_per_s is None:
+            return self
+        return replace(self, link_bandwidth=gb_per_s * 1e9, source=f"{self.source}; link {gb_per_s:g} GB/s given")
+
+
+def _preset(
+    name: str, *, tflops: float, link: float, pcie: float, hbm: float, int8: float, nf4: float, gib: int
+) -> Hardware:
+    # dense bf16 spec x 0.45 (a good FSDP MFU); AdamW reads and writes about 28 bytes per element, at 50% of HBM
+    flops = tflops * 1e12 * 0.45
+    return Hardware(
+        matmul_flops=flops, link_bandwidth=link * 1e9, link_latency=20e-6, optimizer_rate=hbm * 1e9 * 0.5 / 28,
+        quantized_flops={"int8": flops * int8, "nf4": flops * nf4, "fp4": flops * nf4},
+        host_optimizer_rate=1e9, pcie_bandwidth=pcie * 1e9, overlap=GPU_OVERLAP, accelerator=True,
+        device_memory=gib * 2**30,
+        source=f"{name} preset (spec sheet x efficiency, assumed)",
+    )  # fmt: skip
+
+
+PRESETS: dict[str, Hardware] = {
+    # bf16 dense TFLOP/s, NCCL all-gather bus bandwidth GB/s, PCIe GB/s, HBM GB/s, LLM.int8 / NF4 speed vs bf16,
+    # memory GiB (80 GB parts)
+    "h100": _preset("h100", tflops=989, link=360, pcie=50, hbm=3350, int8=0.5, nf4=0.6, gib=80),
+    "a100": _preset("a100", tflops=312, link=230, pcie=25, hbm=2039, int8=0.5, nf4=0.6, gib=80),
+    "l4": _preset("l4", tflops=121, link=20, pcie=25, hbm=300, int8=0.5, nf4=0.6, gib=22),
+}
+"""Assumed GPU figures for ``fsdp-plus-estimate --budget`` (the strategy probes the real devices instead)."""
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds per optimizer step of one candidate, by part."""
+
+    compute: float
+    """Matrix multiplies (recompute included)."""
+    collectives: float
+    """All-gathers, reduce-scatters and all-reduces, before overlap."""
+    optimizer: float
+    """The optimizer step."""
+    offload: float
+    """Host-device copies under CPU offload."""
+    total: float
+    """compute + optimizer + offload + collectives not hidden by compute."""
+
+    def to_dict(self) -> dict[str, float]:
+        """All fields."""
+        return asdict(self)
+
+
+def weights(info: ParamInfo) -> int:
+    """Weights a parameter holds for FLOP counting: float elements, int8 weights, two per packed 4-bit byte; scales
+    and block statistics (int32) hold none."""
+    if info.dtype.is_floating_point:
+        return info.numel
+    if info.name.endswith("weight") and info.dtype in (torch.int8, torch.uint8):
+        return info.numel * (2 if info.dtype == torch.uint8 else 1)
+    return 0
+
+
+def _is_quantized(info: ParamInfo) -> bool:
+    return not info.dtype.is_floating_point and weights(info) > 0
+
+
+def _gathered_bytes(unit: Iterable[ParamInfo], compute_bytes: int) -> int:
+    return sum(p.numel * (compute_bytes if p.dtype.is_floating_point else p.dtype.itemsize) for p in unit)
+
+
+def _stored_bytes(unit: Iterable[ParamInfo], stored_bytes: int) -> int:
+    return sum(p.numel * (stored_bytes if p.dtype.is_floating_point else p.dtype.itemsize) for p in unit)
+
+
+def predict_step_time(
+    model: ModelDescription,
+    candidate: Candidate,
+    *,
+    hardware: Hardware,
+    world_size: int,
+    tokens: int,
+    precision: str,
+) -> StepTime:
+    """The step-time model (module docstring) for ``candidate`` on ``model`` (described with its choices)."""
+    pb = PRECISION_BYTES[precision]
+    layout = resolve_mesh_layout(sharding_strategy=candidate.sharding_strategy, world_size=world_size,
+                                 hybrid_shard_size=candidate.hybrid_shard_size)  # fmt: skip
+    shard, replicas = layout.shard, layout.replicate
+    params = [p for unit in (*model.units, model.replicated) for p in unit]
+    quant_rate = hardware.quantized_flops.get(candidate.quantize_base or "", hardware.matmul_flops)
+    float_w = sum(weights(p) for p in params if not _is_quantized(p))
+    quant_w = sum(weights(p) for p in params if _is_quantized(p))
+    trainable = sum(p.numel for p in params if p.trainable)
+    forward = 2 * tokens * (float_w / hardware.matmul_flops + quant_w / quant_rate)
+    backward = forward + 2 * tokens * trainable / hardware.matmul_flops
+    recompute = 0.0
+    if candidate.activation_checkpointing and model.units:
+        in_units = sum(weights(p) for unit in model.units for p in unit)
+        in_root = sum(weights(p) for p in model.units[-1])
+        recompute = forward * (1 - in_root / in_units) if in_units else 0.0
+    compute = forward + backward + recompute
+
+    def collective(nbytes: float, ranks: int, factor: float = 1.0) -> float:
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        return hardware.link_latency + factor * nbytes * (ranks - 1) / ranks / hardware.link_bandwidth
+
+    comm = pcie_bytes = 0.0
+    reshard = candidate.sharding_strategy.reshard_after_forward
+    for index, unit in enumerate(model.units):
+        root = index == len(model.units) - 1
+        gathers = 2 if reshard and not root else 1
+        grads = sum(p.numel for p in unit if p.trainable) * pb.grad
+        comm += gathers * collective(_gathered_bytes(unit, pb.compute), shard)
+        comm += collective(grads, shard) + collective(grads / shard, replicas, factor=2.0)
+        pcie_bytes += gathers * _stored_bytes(unit, pb.stored) / shard + grads / shard
+    updated = sum(p.numel for unit in model.units for p in unit if p.trainable) / shard
+    updated += sum(p.numel for p in model.replicated if p.trainable)
+    offloaded = candidate.cpu_offload and hardware.accelerator
+    optimizer = updated / (hardware.host_optimizer_rate if offloaded else hardware.optimizer_rate)
+    offload = pcie_bytes / hardware.pcie_bandwidth if offloaded and hardware.pcie_bandwidth else 0.0
+    total = compute + optimizer + offload + max(0.0, comm - hardware.overlap * compute)
+    return StepTime(compute=compute, collectives=comm, optimizer=optimizer, offload=offload, total=total)

@@ -1,0 +1,166 @@
+"""A short measurement of the real devices and group for the step-time model (a few hundred milliseconds).
+
+Every rank times the same things at once (as it will train): a linear layer of the model's shape forward and
+backward in the run's precision, the allowed quantized layers (forward and input gradient, bitsandbytes kernels),
+two all-gathers of different sizes on the group (latency and bandwidth from the pair), an AdamW step, and on
+GPUs a host-to-device copy and an AdamW step in host memory. The ranks then share their timings and every rank
+takes the slowest one per item, so all ranks build the same :class:`~lightning_fsdp_plus.autoplan.cost.Hardware`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_fsdp_plus._dist import all_gather_object, initialized
+from lightning_fsdp_plus.autoplan.cost import GPU_OVERLAP, Hardware
+from lightning_fsdp_plus.precision import FSDPPlusPrecision, compute_dtype
+
+MAX_PROBE_TOKENS = 2048
+"""Tokens of the probe's matrix multiply at most."""
+MAX_PROBE_FEATURES = 8192
+"""Input and output features of the probe's linear layer at most."""
+
+
+def _timed(fn: Callable[[], Any], *, device: torch.device, repeats: int = 3) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _linear_seconds(
+    *, features: tuple[int, int], tokens: int, precision: str, device: torch.device, quantize: str | None
+) -> float:
+    """Forward + backward of one linear layer: weight gradients for a float layer, input gradients only for a
+    quantized (frozen) one."""
+    from lightning_fsdp_plus.quantization import FourBitLinear, Int8Linear
+
+    plugin = FSDPPlusPrecision(precision)  # type: ignore[arg-type]
+    plugin.device = device.type
+    stored = torch.float32 if precision.endswith("mixed") or precision == "32-true" else compute_dtype(precision)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    linear = nn.Linear(*features, bias=False, dtype=torch.float32)
+    nn.init.normal_(linear.weight, std=0.02, generator=generator)
+    if quantize == "int8":
+        layer: nn.Module = Int8Linear.from_linear(linear.to(device))
+    elif quantize is not None:
+        layer = FourBitLinear.from_linear(linear.to(device, stored), quant_type=quantize)
+    else:
+        layer = linear.to(device, stored)
+    x = torch.randn(tokens, features[0], generator=generator).to(device, stored).requires_grad_(True)
+
+    def step() -> None:
+        with plugin.forward_context():
+            out = layer(x)
+        out.float().sum().backward()
+
+    return _timed(step, device=device)
+
+
+def _all_gather_seconds(numel: int, *, device: torch.device, group: Any) -> float:
+    size = dist.get_world_size(group)
+    chunk = torch.ones(numel, dtype=torch.uint8, device=device)
+    out = torch.empty(numel * size, dtype=torch.uint8, device=device)
+    return _timed(lambda: dist.all_gather_into_tensor(out, chunk, group=group), device=device, repeats=5)
+
+
+def _optimizer_seconds(numel: int, *, dtype: torch.dtype, device: torch.device) -> float:
+    param = nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = torch.optim.AdamW([param], lr=1e-4)
+    return _timed(optimizer.step, device=device)
+
+
+def measure(
+    *,
+    features: tuple[int, int],
+    tokens: int,
+    precision: str,
+    device: torch.device,
+    quantize: Sequence[str] = (),
+    group: Any = None,
+) -> dict[str, float]:
+    """This rank's timings (seconds) and the work each timed (FLOPs, bytes, elements)."""
+    features = (min(features[0], MAX_PROBE_FEATURES), min(features[1], MAX_PROBE_FEATURES))
+    tokens = max(1, min(tokens, MAX_PROBE_TOKENS))
+    gpu = device.type == "cuda"
+    flops = 2.0 * tokens * features[0] * features[1]
+    out = {"matmul_s": _linear_seconds(features=features, tokens=tokens, precision=precision, device=device,
+                                       quantize=None), "matmul_flops": 3 * flops}  # fmt: skip
+    for kind in quantize:
+        out[f"{kind}_s"] = _linear_seconds(features=features, tokens=tokens, precision=precision, device=device,
+                                           quantize=kind)  # fmt: skip
+        out[f"{kind}_flops"] = 2 * flops
+    small, large = 1 << 10, (64 << 20) if gpu else (4 << 20)
+    if initialized() and dist.get_world_size(group) > 1:
+        for name, numel in (("gather_small", small), ("gather_large", large)):
+            out |= {f"{name}_s": _all_gather_seconds(numel, device=device, group=group), name: numel}
+    stored = compute_dtype(precision) if precision.endswith("true") and precision != "32-true" else torch.float32
+    numel = (1 << 24) if gpu else (1 << 20)
+    out |= {"optimizer_s": _optimizer_seconds(numel, dtype=stored, device=device), "optimizer_numel": numel}
+    if gpu:
+        host = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
+        out |= {"pcie_s": _timed(lambda: host.to(device, non_blocking=True), device=device), "pcie_bytes": host.numel(),
+                "host_optimizer_s": _optimizer_seconds(numel, dtype=stored, device=torch.device("cpu"))}  # fmt: skip
+    return out
+
+
+def hardware_from(timings: Sequence[dict[str, float]], *, world_size: int, accelerator: bool) -> Hardware:
+    """One :class:`Hardware` from every rank's :func:`measure`: the slowest rank's time per item."""
+    slowest = {key: max(t[key] for t in timings) for key in timings[0]}
+    quantized = {key[:-2]: slowest[f"{key[:-2]}_flops"] / slowest[key] for key in slowest
+                 if key.endswith("_s") and f"{key[:-2]}_flops" in slowest and key != "matmul_s"}  # fmt: skip
+    bandwidth, latency = float("inf"), 0.0
+    if "gather_large_s" in slowest:
+        wire = (world_size - 1) / world_size * world_size  # bytes on the wire per byte of a rank's chunk
+        extra = (slowest["gather_large"] - slowest["gather_small"]) * wire
+        bandwidth = extra / max(slowest["gather_large_s"] - slowest["gather_small_s"], 1e-9)
+        latency = max(0.0, slowest["gather_small_s"] - slowest["gather_small"] * wire / bandwidth)
+    numel = slowest["optimizer_numel"]
+    return Hardware(
+        matmul_flops=slowest["matmul_flops"] / slowest["matmul_s"],
+        link_bandwidth=bandwidth,
+        link_latency=latency,
+        optimizer_rate=numel / slowest["optimizer_s"],
+        quantized_flops=quantized,
+        host_optimizer_rate=numel / slowest.get("host_optimizer_s", slowest["optimizer_s"]),
+        pcie_bandwidth=slowest["pcie_bytes"] / slowest["pcie_s"] if "pcie_s" in slowest else 0.0,
+        overlap=GPU_OVERLAP if accelerator else 0.0,
+        accelerator=accelerator,
+        source=f"probed on {world_size} rank(s)" + (" (GPU)" if accelerator else " (CPU)"),
+    )
+
+
+def probe_hardware(
+    *,
+    features: tuple[int, int],
+    tokens: int,
+    precision: str,
+    device: torch.device,
+    quantize: Sequence[str] = (),
+    group: Any = None,
+) -> Hardware:
+    """Measure on every rank (:func:`measure`) and agree on one :class:`Hardware` (the same on every rank)."""
+    mine = measure(features=features, tokens=tokens, precision=precision, device=device, quantize=quantize,
+                   group=group)  # fmt: skip
+    timings = all_gather_object(mine)
+    world = dist.get_world_size(group) if initialized() else 1
+    return hardware_from(timings, world_size=world, accelerator=device.type == "cuda")

@@ -39,6 +39,10 @@ PRECISION_BYTES: dict[str, PrecisionBytes] = {
 OPTIMIZER_STATES: dict[str, int] = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
 """State tensors per trainable parameter: Adam(W) ``exp_avg`` + ``exp_avg_sq``; SGD's momentum buffer."""
 
+OPTIMIZER_TEMPORARIES: dict[str, int] = {"adamw": 1, "adam": 1, "sgd-momentum": 0, "sgd": 0}
+"""State-sized temporaries ``optimizer.step()`` allocates per trainable parameter: torch's foreach Adam(W) computes
+``sqrt(exp_avg_sq)`` into a new tensor list before the update; SGD updates in place."""
+
 INT8_BYTES = 1
 """An int8 base weight element; its per-row scale is 4 bytes (fp32 bits in an int32, never cast)."""
 
@@ -58,8 +62,8 @@ def assumptions_markdown() -> str:
         "|---|---|---|---|---|",
     ]
     lines += [f"| {name} | {b.stored} | {b.grad} | {b.compute} | {b.state} |" for name, b in PRECISION_BYTES.items()]
-    lines += ["", "| optimizer | state tensors per trainable parameter |", "|---|---|"]
-    lines += [f"| {name} | {count} |" for name, count in OPTIMIZER_STATES.items()]
+    lines += ["", "| optimizer | state tensors per trainable parameter | temporaries during step() |", "|---|---|---|"]
+    lines += [f"| {name} | {count} | {OPTIMIZER_TEMPORARIES[name]} |" for name, count in OPTIMIZER_STATES.items()]
     lines += ["", "| strategy | per rank |", "|---|---|"]
     lines += [f"| {strategy.value} | {text} |" for strategy, text in STRATEGY_ROWS.items()]
     return "\n".join(lines) + "\n"

@@ -10,10 +10,15 @@ memory), with bytes per element from :mod:`~lightning_fsdp_plus.memory.assumptio
   (stored + optimizer + kept compute copies) and end of backward (stored + optimizer + gradients);
 * ``activation_bytes_per_rank``: storages autograd saves in one forward of ``batch_size x seq_len``,
   counted on a FakeTensor forward (CPU kernels' choices: fused CUDA attention saves less);
-* ``largest_unit_transient_bytes``: what one unit adds while its backward runs (its all-gathered
-  parameters for FULL/HYBRID_SHARD, and its unsharded gradients before the reduce-scatter);
+* ``largest_unit_transient_bytes``: what backward adds around the largest unit: its all-gathered parameters
+  (FULL/HYBRID_SHARD) and unsharded gradients, and as much again for its neighbours — the next unit's prefetched
+  all-gather and the previous unit's reduce-scatter buffer still in flight (FSDP2's overlap; measured with torch's
+  ``FSDPMemTracker``), and with activation checkpointing twice what one unit saves again while its backward
+  recomputes it (the recomputed activations and their gradients);
 * ``peak_bytes_per_rank``: max(end of forward + activations, end of backward) — what ``MemoryMonitor``
-  measures as its tensor-accounted peak — and ``peak_with_transient_bytes_per_rank``.
+  measures as its tensor-accounted peak — and ``peak_with_transient_bytes_per_rank``: the larger of that peak
+  plus the transient and the optimizer step (end of backward + the optimizer's temporaries), the figure a device
+  must hold (the auto plan budgets it).
 """
 
 from __future__ import annotations
@@ -26,7 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES, PrecisionBytes
+from lightning_fsdp_plus.memory.assumptions import (
+    OPTIMIZER_STATES,
+    OPTIMIZER_TEMPORARIES,
+    PRECISION_BYTES,
+    PrecisionBytes,
+)
 from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, config_source, fake_model
 from lightning_fsdp_plus.memory.monitor import SavedActivations
 from lightning_fsdp_plus.options import FSDPPlusOptions
@@ -111,7 +121,9 @@ class MemoryEstimate:
     peak_bytes_per_rank: int | None
     """max(end of forward + activations, end of backward): the tensor-accounted peak."""
     peak_with_transient_bytes_per_rank: int | None
-    """``peak_bytes_per_rank`` plus the transient."""
+    """max(``peak_bytes_per_rank`` + the transient, end of backward + ``optimizer_temporary_bytes``)."""
+    optimizer_temporary_bytes: int = 0
+    """What ``optimizer.step()`` allocates on the device beyond the state (Adam(W): one state-sized tensor)."""
     host_bytes_per_rank: int = 0
     """With ``cpu_offload``: the stored parameters, gradients and optimizer state in host memory."""
     simulated: dict[str, int] | None = field(default=None)
@@ -199,9 +211,13 @@ def estimate_strategy(
     kept = 0 if sharding_strategy.reshard_after_forward else sum(compute_copy(u) for u in model.units)
     transient = None
     if model.units_known and model.units:
+        # the unit whose backward runs (its gathered copy when re-gathered, its unsharded gradients) and as much
+        # again for its neighbours: the next unit's prefetched all-gather, the last one's reduce-scatter buffer
         regather = sharding_strategy.reshard_after_forward
-        transient = max(unsharded_grads(u) + (compute_copy(u) if regather else 0) for u in model.units)
-        transient += model.recompute_bytes
+        transient = 2 * max(unsharded_grads(u) + (compute_copy(u) if regather else 0) for u in model.units)
+        transient += 2 * model.recompute_bytes  # a checkpointed unit's recomputed activations and their gradients
+    temporaries = 0 if cpu_offload else opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
+    temporaries += r_opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
     host = 0
     if cpu_offload:  # FSDP2's CPUOffloadPolicy keeps the state of the parameters it manages in host memory
         host, stored, grads, opt = stored + grads + opt, 0, 0, 0
@@ -221,7 +237,10 @@ def estimate_strategy(
         activation_bytes_per_rank=act,
         largest_unit_transient_bytes=transient,
         peak_bytes_per_rank=peak,
-        peak_with_transient_bytes_per_rank=None if peak is None or transient is None else peak + transient,
+        peak_with_transient_bytes_per_rank=None
+        if peak is None or transient is None
+        else max(peak + transient, end_of_backward + temporaries),
+        optimizer_temporary_bytes=temporaries,
         host_bytes_per_rank=host,
     )
 

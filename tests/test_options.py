@@ -10,7 +10,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_fsdp_plus import FSDPPlusStrategy
-from lightning_fsdp_plus.app.config.schema import StrategySchema
+from lightning_fsdp_plus.app.config.schema import StrategyChoice, StrategySchema
 from lightning_fsdp_plus.compat import compat_markdown
 from lightning_fsdp_plus.memory.cli import build_parser
 from lightning_fsdp_plus.options import FSDPPlusOptions, field_docs, options_markdown
@@ -39,7 +39,8 @@ def test_the_hydra_schema_is_derived_field_by_field():
     assert schema["timeout"].default == FSDPPlusOptions().timeout.total_seconds()
     assert schema["quantize_skip"].default_factory() == list(FSDPPlusOptions().quantize_skip)
     # a strategy name or "auto" (the options validate both); the auto plan's list and optional number
-    assert schema["sharding_strategy"].type is str and schema["sharding_strategy"].default == "FULL_SHARD"
+    assert schema["sharding_strategy"].type is StrategyChoice and schema["sharding_strategy"].default == "FULL_SHARD"
+    assert [c.name for c in StrategyChoice] == [*ShardingStrategy.__members__, "AUTO"]
     assert schema["cpu_offload"].type is bool and schema["allow_quantize"].default_factory() == []
     assert schema["link_bandwidth"].type == float | None and schema["plan_batch_size"].type == int | None
 

@@ -46,21 +46,28 @@ def test_single_run_writes_metrics_and_keeps_outputs_in_the_run_dir(tmp_path):
 
 def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    args = ["-m", "strategy=full_shard,shard_grad_op", "trainer.devices=2", *QUICK, f"hydra.sweep.dir={sweep_dir}"]
+    # the second job lets the auto plan choose (a full fine-tune: 6 candidates, 1 GiB per rank fits them all)
+    args = ["-m", "strategy=full_shard,auto", "strategy.memory_budget=1GiB", "trainer.devices=2", *QUICK,
+            f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
     proc = run_app(args, cwd=tmp_path, module=True, timeout=600)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
     assert [p.name.split("_", 1)[0] for p in jobs] == ["0", "1"]  # exactly one job per value
-    strategies = []
+    strategies, choices = [], []
     for job in jobs:
         metrics = json.loads((job / "metrics.json").read_text())
         assert metrics["world_size"] == 2 and (job / "train_ddp_process_1.log").exists()
         strategies.append(metrics["sharding_strategy"])
-    assert strategies == ["FULL_SHARD", "SHARD_GRAD_OP"]
+        choices.append(metrics["auto_plan"])
+    assert strategies[0] == "FULL_SHARD" and choices[0] is None
+    # the auto job trained with its choice (planned for the data's 8 x 32 batch) and printed the table on rank 0
+    assert choices[1].split(" + ")[0] == strategies[1] and metrics["activation_checkpointing"] == (
+        "checkpointing" in choices[1])  # fmt: skip
+    assert "chosen: #" in proc.stdout + proc.stderr
     assert proc.stdout.count("Launching 2 jobs locally") + proc.stderr.count("Launching 2 jobs locally") == 1
     csv_lines = (sweep_dir / "sweep_summary.csv").read_text().splitlines()
     assert len(csv_lines) == 3 and csv_lines[0].startswith("job,strategy_preset,sharding_strategy")
-    assert "| SHARD_GRAD_OP |" in (sweep_dir / "sweep_summary.md").read_text()
+    assert f"| {strategies[1]} |" in (sweep_dir / "sweep_summary.md").read_text()
     import matplotlib.image
 
     image = matplotlib.image.imread(sweep_dir / "sweep_summary.png")

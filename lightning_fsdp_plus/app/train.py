@@ -84,6 +84,12 @@ def _instantiate_all(nodes: DictConfig) -> list[Any]:
     return [instantiate(node, _convert_="all") for node in nodes.values() if node is not None]
 
 
+def _auto_choice(strategy: Any) -> str | None:
+    """The auto plan's chosen candidate (``None`` when the configuration was given)."""
+    plan = getattr(strategy, "auto_plan", None)
+    return None if plan is None or plan.chosen is None else plan.choice.candidate.label
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit and validate one run on this process's rank; rank 0 writes and returns ``metrics.json``'s content."""
     seed_everything(cfg.seed, workers=True)
@@ -122,6 +128,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "lora_only": trainer.strategy.lora_only,  # the strategy's: the auto plan may have chosen them
         "quantize_base": trainer.strategy.quantize_base,
         "activation_checkpointing": trainer.strategy.activation_checkpointing is not None,
+        "auto_plan": _auto_choice(trainer.strategy),
         "world_size": trainer.world_size,
         "fit_time_s": fit_seconds,
         **run_metrics.summary(trainer),

@@ -145,13 +145,7 @@ class AutoPlan:
         ]
         if hw is not None:
             lines.append(
-                f"hardware ({hw.source}): matmul {hw.matmul_flops / 1e9:,.1f} GFLOP/s, link "
-                + (
-                    f"{hw.link_bandwidth / 1e9:,.2f} GB/s + {hw.link_latency * 1e6:,.0f} us per collective"
-                    if math.isfinite(hw.link_bandwidth)
-                    else "none (1 rank)"
-                )
-                + f", AdamW"
+                f"hardware ({hw.source}): matmul {hw.matmul_flops / 1e9:,.1f} GFLOP/s, {_links(hw)}, AdamW"
                 f" {hw.optimizer_rate / 1e6:,.0f} M elements/s, overlap {hw.overlap:g}"
                 + "".join(f", {k} {v / 1e9:,.1f} GFLOP/s" for k, v in hw.quantized_flops.items())
             )
@@ -192,6 +186,14 @@ class AutoPlan:
             "candidates": [p.to_dict() | {"fits": self.fits(p)} for p in self.predictions],
             "excluded": {kind: why for kind, why in self.excluded},
         }
+
+
+def _links(hw: Hardware) -> str:
+    """The link figures for the table: per collective when measured."""
+    if not math.isfinite(hw.link_bandwidth):
+        return "no link (1 rank)"
+    pairs = hw.collectives or {"link": (hw.link_bandwidth, hw.link_latency)}
+    return ", ".join(f"{kind} {bw / 1e9:,.2f} GB/s + {lat * 1e6:,.0f} us" for kind, (bw, lat) in pairs.items())
 
 
 def predict_memory(

@@ -6,8 +6,9 @@ layer (dequantization included):
 
 * compute = forward 2T(W_float/F + W_quant/F_q) + backward the same (input gradients) + 2T W_trainable/F
   (weight gradients) + with activation checkpointing the forward of every unit but the root again;
-* collectives, each ``latency + bytes on the wire / link_bandwidth`` (ring algorithms: an all-gather or a
-  reduce-scatter over S ranks moves (S-1)/S of the data, an all-reduce over R twice (R-1)/R): per unit, one
+* collectives, each ``latency + bytes on the wire / bandwidth`` of its kind (ring algorithms: an all-gather or a
+  reduce-scatter over S ranks moves (S-1)/S of the data, an all-reduce over R twice (R-1)/R; the probe measures
+  each kind, since a backend may run one as another — gloo's reduce-scatter is an all-reduce): per unit, one
   all-gather of its sharded parameters in the compute dtype (int8 and 4-bit bytes as stored) per forward and
   again per backward when it reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root), a
   reduce-scatter of its trainable gradients in the reduce dtype, and for a replicated mesh dimension
@@ -55,6 +56,9 @@ class Hardware:
     """Bytes per second a collective moves per rank (NCCL's "bus bandwidth")."""
     link_latency: float = 0.0
     """Seconds every collective costs regardless of size."""
+    collectives: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured ``(bandwidth, latency)`` per collective (``all_gather``, ``reduce_scatter``, ``all_reduce``), where
+    they differ from the link's (gloo runs a reduce-scatter as an all-reduce)."""
     optimizer_rate: float = 1e9
     """Parameter elements per second the optimizer (AdamW) updates on the device."""
     quantized_flops: Mapping[str, float] = field(default_factory=dict)
@@ -74,13 +78,18 @@ class Hardware:
 
     def to_dict(self) -> dict[str, Any]:
         """All fields (``quantized_flops`` as a plain dict)."""
-        return asdict(self) | {"quantized_flops": dict(self.quantized_flops)}
+        return asdict(self) | {
+            "quantized_flops": dict(self.quantized_flops),
+            "collectives": {kind: list(pair) for kind, pair in self.collectives.items()},
+        }
 
     def with_link_bandwidth(self, gb_per_s: float | None) -> Hardware:
         """A copy with the user's link bandwidth (GB/s, 10^9 bytes) when given."""
         if gb_per_s is None:
             return self
-        return replace(self, link_bandwidth=gb_per_s * 1e9, source=f"{self.source}; link {gb_per_s:g} GB/s given")
+        return replace(
+            self, link_bandwidth=gb_per_s * 1e9, collectives={}, source=f"{self.source}; link {gb_per_s:g} GB/s given"
+        )
 
 
 def _preset(
@@ -125,6 +134,13 @@ class StepTime:
     def to_dict(self) -> dict[str, float]:
         """All fields."""
         return asdict(self)
+
+
+def wire_bytes(kind: str, nbytes: float, ranks: int) -> float:
+    """Bytes one rank sends for a ring ``kind`` over ``ranks`` of an ``nbytes`` tensor (NCCL's bus-bandwidth
+    convention): (N-1)/N of it for all-gather and reduce-scatter, twice that for all-reduce."""
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * nbytes * (ranks - 1) / ranks
 
 
 def weights(info: ParamInfo) -> int:
@@ -177,10 +193,11 @@ def predict_step_time(
         recompute = forward * (1 - in_root / in_units) if in_units else 0.0
     compute = forward + backward + recompute
 
-    def collective(nbytes: float, ranks: int, factor: float = 1.0) -> float:
+    def collective(kind: str, nbytes: float, ranks: int) -> float:
         if ranks <= 1 or nbytes <= 0:
             return 0.0
-        return hardware.link_latency + factor * nbytes * (ranks - 1) / ranks / hardware.link_bandwidth
+        bandwidth, latency = hardware.collectives.get(kind, (hardware.link_bandwidth, hardware.link_latency))
+        return latency + wire_bytes(kind, nbytes, ranks) / bandwidth
 
     comm = pcie_bytes = 0.0
     reshard = candidate.sharding_strategy.reshard_after_forward
@@ -188,8 +205,8 @@ def predict_step_time(
         root = index == len(model.units) - 1
         gathers = 2 if reshard and not root else 1
         grads = sum(p.numel for p in unit if p.trainable) * pb.grad
-        comm += gathers * collective(_gathered_bytes(unit, pb.compute), shard)
-        comm += collective(grads, shard) + collective(grads / shard, replicas, factor=2.0)
+        comm += gathers * collective("all_gather", _gathered_bytes(unit, pb.compute), shard)
+        comm += collective("reduce_scatter", grads, shard) + collective("all_reduce", grads / shard, replicas)
         pcie_bytes += gathers * _stored_bytes(unit, pb.stored) / shard + grads / shard
     updated = sum(p.numel for unit in model.units for p in unit if p.trainable) / shard
     updated += sum(p.numel for p in model.replicated if p.trainable)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_fsdp_plus._dist import all_gather_object, initialized
-from lightning_fsdp_plus.autoplan.cost import GPU_OVERLAP, Hardware
+from lightning_fsdp_plus.autoplan.cost import GPU_OVERLAP, Hardware, wire_bytes
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, compute_dtype
 
 MAX_PROBE_TOKENS = 2048
@@ -75,11 +75,22 @@ def _linear_seconds(
     return _timed(step, device=device)
 
 
-def _all_gather_seconds(numel: int, *, device: torch.device, group: Any) -> float:
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+"""The collectives FSDP2 issues, each probed (gloo, for one, has no native reduce-scatter)."""
+
+
+def _collective_seconds(kind: str, nbytes: int, *, device: torch.device, group: Any) -> float:
+    """Seconds of one ``kind`` collective whose full (unsharded) tensor is ``nbytes`` of fp32."""
     size = dist.get_world_size(group)
-    chunk = torch.ones(numel, dtype=torch.uint8, device=device)
-    out = torch.empty(numel * size, dtype=torch.uint8, device=device)
-    return _timed(lambda: dist.all_gather_into_tensor(out, chunk, group=group), device=device, repeats=5)
+    chunk = max(1, nbytes // 4 // size)
+    full = torch.ones(chunk * size, dtype=torch.float32, device=device)
+    shard = torch.ones(chunk, dtype=torch.float32, device=device)
+    run = {
+        "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+        "all_reduce": lambda: dist.all_reduce(full, group=group),
+    }[kind]
+    return _timed(run, device=device, repeats=5)
 
 
 def _optimizer_seconds(numel: int, *, dtype: torch.dtype, device: torch.device) -> float:
@@ -109,10 +120,12 @@ def measure(
         out[f"{kind}_s"] = _linear_seconds(features=features, tokens=tokens, precision=precision, device=device,
                                            quantize=kind)  # fmt: skip
         out[f"{kind}_flops"] = 2 * flops
-    small, large = 1 << 10, (64 << 20) if gpu else (4 << 20)
+    small, large = 4 << 10, (256 << 20) if gpu else (8 << 20)
     if initialized() and dist.get_world_size(group) > 1:
-        for name, numel in (("gather_small", small), ("gather_large", large)):
-            out |= {f"{name}_s": _all_gather_seconds(numel, device=device, group=group), name: numel}
+        out |= {"collective_small": small, "collective_large": large}
+        for kind in COLLECTIVES:
+            for name, nbytes in (("small", small), ("large", large)):
+                out[f"{kind}_{name}_s"] = _collective_seconds(kind, nbytes, device=device, group=group)
     stored = compute_dtype(precision) if precision.endswith("true") and precision != "32-true" else torch.float32
     numel = (1 << 24) if gpu else (1 << 20)
     out |= {"optimizer_s": _optimizer_seconds(numel, dtype=stored, device=device), "optimizer_numel": numel}
@@ -128,17 +141,20 @@ def hardware_from(timings: Sequence[dict[str, float]], *, world_size: int, accel
     slowest = {key: max(t[key] for t in timings) for key in timings[0]}
     quantized = {key[:-2]: slowest[f"{key[:-2]}_flops"] / slowest[key] for key in slowest
                  if key.endswith("_s") and f"{key[:-2]}_flops" in slowest and key != "matmul_s"}  # fmt: skip
-    bandwidth, latency = float("inf"), 0.0
-    if "gather_large_s" in slowest:
-        wire = (world_size - 1) / world_size * world_size  # bytes on the wire per byte of a rank's chunk
-        extra = (slowest["gather_large"] - slowest["gather_small"]) * wire
-        bandwidth = extra / max(slowest["gather_large_s"] - slowest["gather_small_s"], 1e-9)
-        latency = max(0.0, slowest["gather_small_s"] - slowest["gather_small"] * wire / bandwidth)
+    links: dict[str, tuple[float, float]] = {}
+    if "collective_large" in slowest:
+        for kind in COLLECTIVES:  # bandwidth from the difference of two sizes, latency what remains of the small one
+            small, large = (wire_bytes(kind, slowest[f"collective_{n}"], world_size) for n in ("small", "large"))
+            seconds = slowest[f"{kind}_large_s"] - slowest[f"{kind}_small_s"]
+            bandwidth = (large - small) / max(seconds, 1e-9)
+            links[kind] = (bandwidth, max(0.0, slowest[f"{kind}_small_s"] - small / bandwidth))
+    bandwidth, latency = links.get("all_gather", (float("inf"), 0.0))
     numel = slowest["optimizer_numel"]
     return Hardware(
         matmul_flops=slowest["matmul_flops"] / slowest["matmul_s"],
         link_bandwidth=bandwidth,
         link_latency=latency,
+        collectives=links,
         optimizer_rate=numel / slowest["optimizer_s"],
         quantized_flops=quantized,
         host_optimizer_rate=numel / slowest.get("host_optimizer_s", slowest["optimizer_s"]),

@@ -34,7 +34,7 @@ def options(group: str) -> list[str]:
 
 def test_the_default_config_composes_and_validates():
     cfg = compose("config")
-    assert cfg.strategy.sharding_strategy is ShardingStrategy.FULL_SHARD
+    assert cfg.strategy.sharding_strategy == ShardingStrategy.FULL_SHARD
     assert cfg.trainer.accelerator == "cpu" and cfg.trainer.devices == 2
     assert cfg.precision.name == "32-true"
     validate_run_config(cfg)
@@ -79,6 +79,8 @@ EXPECTED = {
     "lora_int8_sharded": {"lora_only": False, "quantize_base": "int8"},
     "lora_nf4_replicated": {"lora_only": True, "quantize_base": "nf4", "quantize_blocksize": 64},
     "lora_nf4_sharded": {"lora_only": False, "quantize_base": "nf4", "quantize_double": False},
+    "auto": {"sharding_strategy": "auto", "memory_margin": 0.1, "allow_quantize": ()},
+    "auto_lora": {"sharding_strategy": "auto", "allow_quantize": ()},
 }
 
 
@@ -86,11 +88,17 @@ EXPECTED = {
 def test_strategy_presets_instantiate_the_intended_strategy(preset):
     assert sorted(EXPECTED) == options("strategy")
     cfg = compose("config", overrides=[f"strategy={preset}"])
+    if preset.startswith("auto"):  # the budget is the one thing the auto presets cannot know
+        with pytest.raises(ConfigError, match=r"strategy\.sharding_strategy='auto' needs memory_budget: the memory"):
+            validate_run_config(cfg)
+        cfg = compose("config", overrides=[f"strategy={preset}", "strategy.memory_budget=40GiB"])
+        validate_run_config(cfg)  # plans for the data's batch and sequence length
+        assert (cfg.strategy.plan_batch_size, cfg.strategy.plan_seq_len) == (cfg.data.batch_size, cfg.data.seq_len)
     strategy = instantiate(cfg.strategy, _convert_="all")
     assert isinstance(strategy, FSDPPlusStrategy)
     for key, value in EXPECTED[preset].items():
         assert getattr(strategy, key) == value, key
-    if preset.startswith("lora"):
+    if preset.startswith("lora") or preset == "auto_lora":
         assert strategy.lora.r == 8 and set(strategy.lora.target_modules) >= {"q_proj", "down_proj"}
     else:
         assert strategy.lora is None
@@ -100,7 +108,7 @@ def test_strategy_presets_instantiate_the_intended_strategy(preset):
     ("override", "exception", "message"),
     [
         ("strategy.sharding_strategy=FULLSHARD", ConfigCompositionException,
-         r"Invalid value 'FULLSHARD', expected one of \[FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD\]"),
+         r"Invalid value 'FULLSHARD', expected one of \[FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, AUTO\]"),
         ("strategy.nosuchkey=1", ConfigCompositionException, r"Key 'nosuchkey' not in 'StrategySchema'"),
         ("strategy.cpu_offload=maybe", ConfigCompositionException, r"Value 'maybe' is not a valid bool"),
         ("trainer.max_steps=many", ConfigCompositionException, r"Value 'many' of type 'str' could not be converted"),
@@ -118,7 +126,8 @@ def test_bad_keys_and_types_fail_at_compose_time_with_the_key_path(override, exc
 
 def test_sharding_strategy_is_case_insensitive_in_configs_too():
     cfg = compose("config", overrides=["strategy.sharding_strategy=shard_grad_op"])
-    assert cfg.strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert cfg.strategy.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
+    assert instantiate(cfg.strategy, _convert_="all").sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
 
 
 @pytest.mark.parametrize(
@@ -180,3 +189,14 @@ def test_a_checkpoint_without_safetensors_fails_validation_with_the_fix(tmp_path
     with pytest.raises(ConfigError, match=r"model\.name_or_path: .* has no \*\.safetensors.*low_memory_load=false"):
         validate_run_config(compose("config", overrides=overrides))
     validate_run_config(compose("config", overrides=[*overrides, "model.low_memory_load=false"]))
+
+
+def test_auto_plans_for_the_instruction_datas_longest_sequence_unless_told_otherwise():
+    cfg = compose("config", overrides=["experiment=medical_lora", "strategy=auto_lora", "strategy.memory_budget=0.5"])
+    validate_run_config(cfg)
+    assert (cfg.strategy.plan_batch_size, cfg.strategy.plan_seq_len) == (cfg.data.batch_size, cfg.data.max_seq_len)
+    cfg = compose("config", overrides=["strategy=auto", "strategy.memory_budget=8GiB", "strategy.plan_seq_len=7"])
+    validate_run_config(cfg)
+    assert cfg.strategy.plan_seq_len == 7
+    with pytest.raises(ConfigError, match=r"strategy.memory_budget='lots' is not a size"):
+        validate_run_config(compose("config", overrides=["strategy=auto", "strategy.memory_budget=lots"]))

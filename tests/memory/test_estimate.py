@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -165,3 +166,46 @@ def test_simulate_agrees_with_the_arithmetic_on_what_both_count(tmp_path):
     # every unit's compute copy kept (the tracker sees 1 KiB more here: within 0.1%)
     assert sgo.simulated["unsharded_param"] == pytest.approx(sgo.unsharded_params, rel=1e-3)
     assert full.simulated["unsharded_param"] < sgo.simulated["unsharded_param"]
+
+
+CONFIGS = REPO / "examples" / "configs"
+
+
+def test_budget_prints_the_auto_plans_table_for_llama_3_8b_on_eight_gpus(capsys):
+    argv = ["--config", str(CONFIGS / "llama-3-8b"), "--world-size", "8", "--lora-rank", "16", "--precision",
+            "bf16-true", "--seq-len", "128", "--budget", "24GiB", "--hardware", "l4",
+            "--allow-quantize", "int8"]  # fmt: skip
+    table = run(argv)
+    rows = [line for line in table.splitlines() if line.lstrip(" *").split(" ")[0].isdigit()]
+    # strategies with HYBRID_SHARD in groups of 2 and 4; lora_only (not for NO_SHARD); checkpointing; offload; int8
+    assert len(rows) == (4 * 2 + 1) * 2 * 2 * 2 and "HYBRID_SHARD/4 + lora_only + cpu_offload + int8" in table
+    assert "budget 24.00 GiB per device, 21.60 GiB usable" in table and "l4 preset" in table
+    chosen = next(line for line in table.splitlines() if line.startswith("chosen: #"))
+    number = int(chosen.split("#")[1].split(" ")[0])
+    steps = {int(r.split()[0].lstrip("*")): float(r.split(" yes ")[1].split()[0]) for r in rows if " yes " in r}
+    assert number in steps and steps[number] == min(steps.values())  # the fastest of those that fit
+    assert rows[number - 1].lstrip().startswith(f"*{number} ") and len(steps) < len(rows)  # and some do not
+
+
+def test_budget_below_every_candidate_exits_2_with_the_closest_for_llama_3_70b(capsys):
+    argv = ["--config", str(CONFIGS / "llama-3-70b"), "--world-size", "8", "--seq-len", "256", "--budget", "8GiB"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(argv)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and "auto plan for" in out  # the table still shows what was considered
+    assert re.search(r"none of the 20 candidates fits at 8 rank\(s\).*Closest: FULL_SHARD \+ checkpointing \+"
+                     r" cpu_offload needs [\d.]+ GiB per rank, [\d.]+ GiB \([\d,]+ bytes\) more", err)  # fmt: skip
+    with pytest.raises(SystemExit):
+        run(["--params", "7e10", "--world-size", "8", "--budget", "80GiB"])
+    assert "--budget needs --config" in capsys.readouterr().err
+
+
+def test_budget_json_holds_every_candidate_and_the_choice():
+    tiny = REPO / "examples" / "assets" / "tiny-llama"
+    document = json.loads(run(["--config", str(tiny), "--world-size", "2", "--lora-rank", "4", "--budget", "0.5",
+                               "--hardware", "a100", "--seq-len", "64", "--json"]))  # fmt: skip
+    fitting = [c for c in document["candidates"] if c["fits"]]
+    best = document["candidates"][document["chosen"]]
+    assert len(document["candidates"]) == 20 and best["fits"]  # 3 layouts, lora_only on 2, checkpointing, offload
+    assert best["step"]["total"] == min(c["step"]["total"] for c in fitting)
+    assert document["hardware"]["source"].startswith("a100 preset")

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from datetime import timedelta
+from enum import Enum
 from typing import Any
 
 from lightning_fsdp_plus.lora import DEFAULT_TARGETS
 from lightning_fsdp_plus.options import FSDPPlusOptions
-from lightning_fsdp_plus.plan import ShardingStrategy
+from lightning_fsdp_plus.plan import AUTO, ShardingStrategy, _CaseInsensitiveNames
 
 # OmegaConf reads these annotations at runtime (X | None and builtin generics resolve on Python >= 3.10).
 
@@ -36,6 +37,17 @@ class LoraSchema:
     """Which biases train: ``none``, ``all`` or ``lora_only`` (PEFT's)."""
 
 
+class StrategyChoice(str, Enum, metaclass=_CaseInsensitiveNames):
+    """``strategy.sharding_strategy`` in configs: a :class:`ShardingStrategy` name or ``auto`` (any case), so that a
+    typo fails at compose time with the choices listed."""
+
+    FULL_SHARD = ShardingStrategy.FULL_SHARD.value
+    SHARD_GRAD_OP = ShardingStrategy.SHARD_GRAD_OP.value
+    NO_SHARD = ShardingStrategy.NO_SHARD.value
+    HYBRID_SHARD = ShardingStrategy.HYBRID_SHARD.value
+    AUTO = AUTO
+
+
 def _hydra_field(item: dataclasses.Field) -> tuple[str, Any, Any]:
     """One options field as an OmegaConf-typed field: primitives (optional or not) keep their type, enums too,
     tuples become lists, literals strings, ``lora`` the typed LoRA schema, a ``timedelta`` default its seconds;
@@ -50,8 +62,8 @@ def _hydra_field(item: dataclasses.Field) -> tuple[str, Any, Any]:
         kind, default = float | None, default.total_seconds()
     elif base in primitive:
         kind = primitive[base] | None if optional else primitive[base]
-    elif base == ShardingStrategy.__name__:  # a name, or "auto" (the options check both)
-        kind, default = str, default.value
+    elif base == ShardingStrategy.__name__:
+        kind, default = StrategyChoice, StrategyChoice[default.name]
     elif base.startswith("Literal["):
         kind = str | None if optional else str
     elif base.startswith("tuple[str"):

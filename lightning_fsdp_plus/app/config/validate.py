@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.plan import AUTO
 from lightning_fsdp_plus.precision import check_precision
 
 
@@ -74,8 +75,22 @@ def strategy_options(strategy: Any) -> FSDPPlusOptions:
         raise ConfigError(f"strategy.{err}") from None
 
 
+def fill_auto_plan(cfg: Any) -> None:
+    """With ``strategy.sharding_strategy=auto``: plan for the data's batch and sequence length unless the strategy
+    node says otherwise (``data.batch_size``; ``data.max_seq_len``, else ``data.seq_len``)."""
+    strategy, data = cfg.strategy, cfg.data
+    chosen = strategy.get("sharding_strategy")
+    if str(getattr(chosen, "value", chosen)).lower() != AUTO:
+        return
+    if strategy.get("plan_batch_size") is None and data.get("batch_size") is not None:
+        strategy.plan_batch_size = data.batch_size
+    if strategy.get("plan_seq_len") is None:
+        strategy.plan_seq_len = data.get("max_seq_len") or data.get("seq_len")
+
+
 def validate_run_config(cfg: Any) -> None:
     """Raise ConfigError for the first problem found in a composed ``RunSchema`` config."""
+    fill_auto_plan(cfg)
     trainer, strategy = cfg.trainer, cfg.strategy
     per_node = _devices_count(trainer.devices)
     if not isinstance(trainer.num_nodes, int) or trainer.num_nodes < 1:
@@ -85,7 +100,7 @@ def validate_run_config(cfg: Any) -> None:
             f"trainer.gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not one of norm, value"
         )
     options = strategy_options(strategy)
-    if per_node is not None:
+    if per_node is not None and not options.auto:  # the auto plan checks its candidates' meshes itself
         try:
             options.mesh_layout(world_size=per_node * trainer.num_nodes, devices_per_node=per_node)
         except ValueError as err:

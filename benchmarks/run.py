@@ -49,11 +49,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _launch(argv: list[str], devices: int) -> int:
-    """Re-run this module under torchrun with ``devices`` ranks; the exit code of the group."""
+def launch(argv: list[str], devices: int, *, module: str = "benchmarks.run", env: dict[str, str] | None = None) -> int:
+    """Re-run ``module`` under torchrun with ``devices`` ranks (``env`` added to the environment); the exit code."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={devices}",
-               "-m", "benchmarks.run", *argv]  # fmt: skip
-    return subprocess.call(command, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+               "-m", module, *argv]  # fmt: skip
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(command, env={**os.environ, **threads, **(env or {})})
 
 
 def _setting(args: argparse.Namespace) -> Setting:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
-        sys.exit(_launch(argv, args.devices))
+        sys.exit(launch(argv, args.devices))
     if args.accelerator == "gpu":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if args.accelerator == "gpu" else "gloo")

@@ -7,7 +7,8 @@ Covers what CPU tests cannot: bitsandbytes' CUDA int8 and 4-bit kernels behind `
 loading into CUDA shards (equal to ``from_pretrained`` + the old pipeline, nccl), and a real
 ``fsdp-plus-train experiment=medical_lora`` run on ``min(2, GPUs)`` GPUs with nccl, bf16-mixed, LoRA on an int8
 base — the "real-model path" with only ``trainer.accelerator`` and ``trainer.devices`` changed (add
-``model.name_or_path=...`` for a real model) — and preemption on GPUs (SIGTERM to one rank, exit 143, resume).
+``model.name_or_path=...`` for a real model) — preemption on GPUs (SIGTERM to one rank, exit 143, resume), and
+the auto plan (the CUDA probe's figures next to the assumed GPU presets; ``strategy=auto_lora`` trained).
 """
 
 from __future__ import annotations
@@ -177,6 +178,35 @@ def check_preemption() -> None:
           f" last.ckpt; the preemption check {per_call:.3f} ms per call")  # fmt: skip
 
 
+def check_autoplan() -> None:
+    """``strategy=auto_lora`` on the GPUs: the probe's CUDA figures next to the assumed presets, the choice trained."""
+    from lightning_fsdp_plus.autoplan.cost import PRESETS
+    from lightning_fsdp_plus.autoplan.probe import measure
+
+    timings = measure(features=(4096, 14336), tokens=2048, precision="bf16-true", device=torch.device("cuda"),
+                      quantize=["int8", "nf4"])  # fmt: skip
+    flops = {k[:-2]: timings[f"{k[:-2]}_flops"] / timings[k] / 1e12 for k in ("matmul_s", "int8_s", "nf4_s")}
+    preset = PRESETS["h100"]
+    print(f"probe (1 GPU, 8B MLP shape, bf16): matmul {flops['matmul']:.0f}, int8 {flops['int8']:.0f}, nf4"
+          f" {flops['nf4']:.0f} TFLOP/s; h100 preset assumes {preset.matmul_flops / 1e12:.0f},"
+          f" {preset.quantized_flops['int8'] / 1e12:.0f}, {preset.quantized_flops['nf4'] / 1e12:.0f}")  # fmt: skip
+    devices = min(2, torch.cuda.device_count())
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu_check_auto_"))
+    command = [
+        *(sys.executable, "-m", "lightning_fsdp_plus.app.train", "experiment=medical_lora", "strategy=auto_lora"),
+        *("strategy.memory_budget=0.9", "strategy.allow_quantize=[int8,nf4]", "precision=bf16_mixed"),
+        *("trainer.accelerator=gpu", f"trainer.devices={devices}", "trainer.max_steps=20"),
+        *("trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"),
+    ]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "chosen: #" in output, output[-5000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    chosen = next(line for line in output.splitlines() if line.startswith("chosen: #"))
+    print(f"ok: auto plan on {devices} GPU(s): {chosen}; trained, peak {metrics['peak_bytes_per_rank'] / 2**20:.0f}"
+          f" MiB/rank, step {metrics['step_time_s_median'] * 1000:.1f} ms")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
@@ -191,6 +221,7 @@ def main() -> None:
     check_streaming_load()
     check_training_run(args.steps)
     check_preemption()
+    check_autoplan()
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """Build the tiny pretrained base model the examples fine-tune: a byte-level BPE tokenizer and a small Llama,
 both trained here, on CPU, from ``examples/assets/corpus.txt`` (text the repo ships; see make_datasets.py).
 
-    python examples/assets/build_tiny_base.py [--out examples/assets/tiny-llama] [--steps 800]
+    python examples/assets/build_tiny_base.py [--out examples/assets/tiny-llama] [--steps 300]
+    python examples/assets/build_tiny_base.py --out DIR --stop-after 20   # the first steps only, no weights
 
 Writes a transformers model directory (config.json, model.safetensors, tokenizer.json, ...) and
-``build_info.json`` with the settings and the final losses, so a rebuild can be checked against it.
+``build_info.json`` with the settings, the first steps' losses and the final losses, so a rebuild can be checked
+against it: in full, or in seconds with ``--stop-after 20`` (the same schedule, stopped after the first steps).
 Deterministic for a given torch build: fixed seeds, one thread, a fixed window schedule.
 """
 
@@ -46,8 +48,13 @@ def train_tokenizer(text: str, *, vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=EOS, eos_token=EOS, pad_token=PAD)
 
 
-def build(out: Path, *, steps: int = TRAIN["steps"]) -> dict:
-    """Train tokenizer and model, save them into ``out``, return the build record."""
+FIRST = 20
+"""Steps whose losses ``build_info.json`` records one by one (what ``--check`` reproduces)."""
+
+
+def build(out: Path, *, steps: int = TRAIN["steps"], stop_after: int | None = None) -> dict:
+    """Train tokenizer and model, save them into ``out``, return the build record; with ``stop_after`` only that
+    many steps of the same schedule run and the weights are not saved."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(TRAIN["seed"])
@@ -71,7 +78,7 @@ def build(out: Path, *, steps: int = TRAIN["steps"]) -> dict:
     seq, batch = TRAIN["seq_len"], TRAIN["batch_size"]
     losses = []
     model.train()
-    for _ in range(steps):
+    for _ in range(steps if stop_after is None else stop_after):
         starts = torch.randint(0, len(train_ids) - seq - 1, (batch,), generator=g)
         x = torch.stack([train_ids[s : s + seq] for s in starts])
         loss = model(input_ids=x, labels=x).loss
@@ -81,17 +88,25 @@ def build(out: Path, *, steps: int = TRAIN["steps"]) -> dict:
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    if stop_after is not None:
+        model.config.architectures = [type(model).__name__]  # as model.save_pretrained records them, with the dtype
+        model.config.dtype = next(model.parameters()).dtype
+        model.config.save_pretrained(out)
+        record = {"train": {**TRAIN, "steps": steps}, "first_losses": losses[:FIRST], "torch": torch.__version__}
+        (out / "build_info.json").write_text(json.dumps(record, indent=1))
+        return record
     model.eval()
     with torch.no_grad():
         windows = eval_ids[: len(eval_ids) // seq * seq].view(-1, seq)
         eval_loss = model(input_ids=windows, labels=windows).loss.item()
-    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     record = {
         "model": MODEL,
         "train": {**TRAIN, "steps": steps},
         "corpus_tokens": len(train_ids) + len(eval_ids),
+        "first_losses": losses[:FIRST],
         "final_train_loss": sum(losses[-50:]) / len(losses[-50:]),
         "eval_loss": eval_loss,
         "parameters": sum(p.numel() for p in model.parameters()),
@@ -105,9 +120,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ASSETS / "tiny-llama")
     parser.add_argument("--steps", type=int, default=TRAIN["steps"])
+    parser.add_argument("--stop-after", type=int, help="run only this many steps of the schedule; save no weights")
     args = parser.parse_args()
-    record = build(args.out, steps=args.steps)
-    print(json.dumps(record, indent=1))
+    print(json.dumps(build(args.out, steps=args.steps, stop_after=args.stop_after), indent=1))
 
 
 if __name__ == "__main__":

@@ -51,14 +51,16 @@ def test_the_tiny_base_is_small_and_loads():
 
 
 def test_rebuilding_the_tiny_base_reproduces_it(tmp_path):
-    """Same config, same tokenizer, held-out loss within 5% (about a minute on one core)."""
+    """Same config, same tokenizer, and the first 20 of the 300 training steps' losses as recorded (the full rebuild,
+    ``python examples/assets/build_tiny_base.py``, takes a minute on one core; its final losses are recorded too)."""
     shipped = EXAMPLES / "assets" / "tiny-llama"
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "assets" / "build_tiny_base.py"), "--out", str(tmp_path)],
-                          env=subprocess_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    command = [sys.executable, str(EXAMPLES / "assets" / "build_tiny_base.py"), "--out", str(tmp_path), "--stop-after",
+               "20"]  # fmt: skip
+    proc = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
     assert json.loads((tmp_path / "config.json").read_text()) == json.loads((shipped / "config.json").read_text())
     assert json.loads((tmp_path / "tokenizer.json").read_text()) == json.loads((shipped / "tokenizer.json").read_text())
-    rebuilt = json.loads((tmp_path / "build_info.json").read_text())
-    recorded = json.loads((shipped / "build_info.json").read_text())
-    assert rebuilt["eval_loss"] == pytest.approx(recorded["eval_loss"], rel=0.05)
-    assert rebuilt["final_train_loss"] == pytest.approx(recorded["final_train_loss"], rel=0.05)
+    rebuilt = json.loads((tmp_path / "build_info.json").read_text())["first_losses"]
+    recorded = json.loads((shipped / "build_info.json").read_text())["first_losses"]
+    assert len(rebuilt) == len(recorded) == 20 and rebuilt == pytest.approx(recorded, rel=1e-4)
+    assert rebuilt[-1] < 0.8 * rebuilt[0]  # it learns from the first steps on

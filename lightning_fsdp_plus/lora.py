@@ -35,11 +35,23 @@ def make_lora_config(lora: Any, *, key: str = "lora") -> Any:
     fields = {_ALIASES.get(k, k): (list(v) if k == "target_modules" and not isinstance(v, str) else v)
               for k, v in lora.items()}  # fmt: skip
     fields.setdefault("task_type", "CAUSAL_LM")
+    _check_lora_numbers(fields, key=key)
     try:
         return LoraConfig(**fields)
     except TypeError as err:
         valid = ", ".join(sorted(["r", "alpha", "dropout", *LoraConfig.__dataclass_fields__]))
         raise ValueError(f"{key}: {err}; valid keys: {valid}") from err
+
+
+def _check_lora_numbers(fields: Mapping[str, Any], *, key: str) -> None:
+    """PEFT checks these only when it wraps the model; here they fail before any process starts."""
+    rank, alpha, dropout = fields.get("r", 8), fields.get("lora_alpha", 8), fields.get("lora_dropout", 0.0)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"{key}.r={rank!r} must be a positive integer (the rank of the low-rank update)")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise ValueError(f"{key}.alpha={alpha!r} must be a positive number (the update is scaled by alpha / r)")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ValueError(f"{key}.dropout={dropout!r} must be a probability in [0, 1)")
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,13 @@ def test_the_wheel_lists_every_package():
     packages = {".".join(p.parent.relative_to(REPO).parts) for p in source.rglob("__init__.py")}
     assert packages - listed == set(), sorted(packages - listed)
     assert "lightning_fsdp_plus.app" in packages and "lightning_fsdp_plus.conf" in listed
+
+
+def test_the_runner_puts_the_commands_on_path_without_activation():
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    env["PATH"] = "/usr/bin:/bin"  # no .venv on PATH: the runner must add it
+    ok = subprocess.run([str(REPO / "scripts" / "run"), "fsdp-plus-estimate", "--params", "1e9", "--world-size", "2",
+                         "--strategy", "full_shard"], capture_output=True, text=True, env=env, cwd="/")  # fmt: skip
+    assert ok.returncode == 0 and "FULL_SHARD" in ok.stdout, ok.stderr
+    usage = subprocess.run([str(REPO / "scripts" / "run")], capture_output=True, text=True, env=env)
+    assert usage.returncode == 2 and "usage: scripts/run COMMAND" in usage.stderr

@@ -41,6 +41,7 @@ def test_single_run_writes_metrics_and_keeps_outputs_in_the_run_dir(tmp_path):
     assert metrics["val_perplexity"] < metrics["base_val_perplexity"]  # it learned something in 8 steps
     assert (run_dir / "checkpoints" / "last.ckpt").exists()
     assert (run_dir / "csv").is_dir() and (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran here
+    assert "Sharding plan: FULL_SHARD" in (run_dir / "train.log").read_text()  # Lightning's lines reach the log file
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # nothing written to the working directory
 
 
@@ -81,21 +82,30 @@ BAD_INPUT = {
     "trainer.devices=0": ("trainer.devices=0", "a positive integer"),
     "strategy.hybrid_shard_size=3": ("strategy.hybrid_shard_size=3", "valid choices: 1, 2"),
     "model.name_or_path=/nonexistent/dir": ("model.name_or_path='/nonexistent/dir'", "a local model directory"),
+    # a value PEFT only checks while wrapping the model, and a key Hydra's + accepts but nothing reads
+    "strategy.lora.r=0": ("strategy.lora.r=0", "must be a positive integer"),
+    "+trainer.ckpt_path=last": ("trainer.ckpt_path", "did you mean the top-level key: ckpt_path=...?"),
 }
 
 
 def test_bad_input_exits_non_zero_with_a_short_error_naming_key_and_choices(tmp_path):
-    procs = {override: subprocess.Popen([str(CONSOLE_SCRIPT), override, "trainer.max_steps=1"], cwd=tmp_path,
-                                        env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for override in BAD_INPUT}  # fmt: skip
-    for override, proc in procs.items():
+    extra = {"strategy.lora.r=0": ["strategy=lora_only"]}
+    procs = {override: subprocess.Popen([str(CONSOLE_SCRIPT), *extra.get(override, []), override, "trainer.max_steps=1",
+                                         f"hydra.run.dir={tmp_path / str(i)}"], cwd=tmp_path, env=subprocess_env(),
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, override in enumerate(BAD_INPUT)}  # fmt: skip
+    for i, (override, proc) in enumerate(procs.items()):
         out, err = proc.communicate(timeout=300)
         text = out + err
-        assert proc.returncode != 0, override
+        assert proc.returncode == 2, (override, text)
         key, choices = BAD_INPUT[override]
         assert key in text and choices in text, text
         assert "Traceback" not in text, text  # one paragraph, not a stack trace
         assert len([line for line in text.splitlines() if line.strip() and "Warning" not in line]) <= 15, text
+        run_dir = tmp_path / str(i)
+        if run_dir.is_dir():  # errors at compose time come before Hydra makes the run directory
+            assert key in (run_dir / "failed.txt").read_text()
+            assert "the run failed" in (run_dir / "train.log").read_text()
     assert not list(tmp_path.rglob("metrics.json")) and not list(tmp_path.rglob("checkpoints"))  # nothing trained
 
 

@@ -27,7 +27,9 @@ prompts from the sharded model).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -193,18 +195,49 @@ def run_job_in_subprocess() -> dict[str, Any]:
     return json.loads((Path(output_dir) / METRICS_FILE).read_text())
 
 
+_STARTED: list[bool] = []  # the task ran: Hydra's exit status 1 before it means the config did not compose
+FAILED_FILE = "failed.txt"
+"""Written into the run directory when the run fails: why."""
+
+
+def log_to_run_files() -> None:
+    """Lightning's loggers do not propagate to the root logger, whose file handler Hydra points at the run's
+    ``<task>.log``: give them that handler too, so the run's log lines land in its directory."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        target = logging.getLogger(name)
+        for handler in files:
+            if handler not in target.handlers:
+                target.addHandler(handler)
+
+
+def record_failure(err: BaseException) -> None:
+    """Say why the run failed, in its directory (``failed.txt`` and the run's log)."""
+    text = f"{type(err).__name__}: {err}"
+    logging.getLogger(__name__).error("the run failed: %s", text)
+    with contextlib.suppress(OSError, ValueError):  # ValueError: no Hydra run directory (outside the app)
+        (Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE).write_text(text + "\n")
+
+
 def run(cfg: DictConfig) -> dict[str, Any] | None:
-    """The task: validate, then train here (single run) or in a fresh process (multirun job)."""
+    """The task: validate, then train here (single run) or in a fresh process (multirun job); a failure is
+    recorded in the run directory."""
+    _STARTED.append(True)
+    log_to_run_files()
     try:
         validate_run_config(cfg)
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             return run_job_in_subprocess()
         return train(cfg)
     except (ConfigError, InstantiationException) as err:
+        record_failure(err)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"Error: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:
+        record_failure(err)
+        raise
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_fsdp_plus.conf", config_name="config")
@@ -213,9 +246,15 @@ def _hydra_main(cfg: DictConfig) -> dict[str, Any] | None:
 
 
 def main() -> None:
-    """Console entry point ``fsdp-plus-train``."""
+    """Console entry point ``fsdp-plus-train``. Every value error exits with status 2: the app's own checks, and
+    Hydra's compose-time errors (a bad key, type or choice), which Hydra reports with status 1."""
     register_configs()
-    _hydra_main()
+    try:
+        _hydra_main()
+    except SystemExit as exit_:
+        if exit_.code == 1 and not _STARTED:
+            sys.exit(2)
+        raise
     barrier()  # ranks leave together; FSDPPlusStrategy frees the process group at exit
 
 

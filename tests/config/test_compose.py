@@ -137,12 +137,20 @@ def test_sharding_strategy_is_case_insensitive_in_configs_too():
         (["strategy.hybrid_shard_size=3"],
          r"strategy.hybrid_shard_size=3 does not divide the world size 2; valid choices: 1, 2"),
         (["model.name_or_path=/nonexistent/model"],
-         r"model.name_or_path='/nonexistent/model' is not a directory with a config.json"),
+         r"model.name_or_path='/nonexistent/model' does not exist \(relative to"),
         (["precision.name=fp8"], r"precision.name='fp8' is not supported by fsdp_plus; choose one of 32-true"),
         (["strategy.quantize_base=int4"], r"strategy.quantize_base='int4' is not one of None, int8, nf4, fp4"),
         (["strategy.quantize_base=nf4", "strategy.quantize_blocksize=100"],
          r"strategy.quantize_blocksize=100 is not one of 32, 64"),
         (["trainer.gradient_clip_algorithm=l2"], r"trainer.gradient_clip_algorithm='l2' is not one of norm, value"),
+        (["+nosuch=1"], r"nosuch: nothing reads this key; valid keys there: strategy, precision, model"),
+        (["+ckpt_pth=last"], r"ckpt_pth: nothing reads this key \(did you mean ckpt_path\?\)"),
+        (["+trainer.ckpt_path=last"], r"trainer.ckpt_path: nothing reads this key \(did you mean the top-level key"),
+        (["strategy=lora_only", "strategy.lora.r=0"], r"strategy.lora.r=0 must be a positive integer"),
+        (["strategy=lora_only", "strategy.lora.dropout=1.5"], r"strategy.lora.dropout=1.5 must be a probability"),
+        (["model=pretrained", "model.name_or_path=examples/assets/tiny-lama"],
+         r"model.name_or_path='examples/assets/tiny-lama' does not exist \(relative to .*\) \(did you mean"
+         r" examples/assets/tiny-llama\?\)"),
     ],
 )  # fmt: skip
 def test_value_rules_raise_config_errors_with_key_and_choices(overrides, message):

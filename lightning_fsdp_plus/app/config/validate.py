@@ -6,6 +6,8 @@ it as one paragraph and exits with status 2, before any process or process group
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,20 @@ def _device_type(accelerator: str) -> str:
 
 
 def _looks_like_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists()
+    """A local path rather than a hub id (``name`` or ``org/name``): explicit, existing, deeper than ``org/name``, or
+    inside a directory that exists here."""
+    path = Path(name).expanduser()
+    return (name.startswith(("/", "./", "../", "~")) or path.exists() or name.count("/") > 1
+            or (name.count("/") == 1 and path.parent.is_dir()))  # fmt: skip
+
+
+def _closest_sibling(path: Path) -> str:
+    """`` (did you mean <sibling>?)`` for a mistyped directory whose parent exists, else empty."""
+    if not path.parent.is_dir():
+        return ""
+    siblings = [p.name for p in path.parent.iterdir() if p.is_dir()]
+    close = difflib.get_close_matches(path.name, siblings, n=1)
+    return f" (did you mean {path.parent / close[0]}?)" if close else ""
 
 
 def check_model(model: Any) -> None:
@@ -50,9 +65,10 @@ def check_model(model: Any) -> None:
     if name is not None and _looks_like_path(str(name)):
         path = Path(str(name)).expanduser()
         if not (path / "config.json").is_file():
+            missing = "does not exist" if not path.exists() else "is not a directory with a config.json"
             raise ConfigError(
-                f"model.name_or_path={str(name)!r} is not a directory with a config.json; give a local model"
-                " directory (saved with save_pretrained) or a Hugging Face model id"
+                f"model.name_or_path={str(name)!r} {missing} (relative to {Path.cwd()}){_closest_sibling(path)};"
+                " give a local model directory (saved with save_pretrained) or a Hugging Face model id (org/name)"
             )
         if model.get("low_memory_load", True) and model.get("_target_") is None:
             from lightning_fsdp_plus.loading import PretrainedLoadError, read_checkpoint
@@ -88,8 +104,56 @@ def fill_auto_plan(cfg: Any) -> None:
         strategy.plan_seq_len = data.get("max_seq_len") or data.get("seq_len")
 
 
+def unknown_keys(node: Any, *, path: str = "") -> list[tuple[str, list[str]]]:
+    """``(dotted key, valid keys there)`` for every key of a typed node that its schema does not declare: Hydra's
+    ``+key=value`` adds keys even to typed configs, and nothing would ever read them."""
+    from omegaconf import DictConfig, OmegaConf
+
+    kind = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(kind):
+        return []
+    names = [f.name for f in dataclasses.fields(kind)]
+    found = []
+    for key in node:
+        child = node._get_node(key)
+        if key not in names:
+            found.append((f"{path}{key}", names))
+        elif isinstance(child, DictConfig) and not child._is_none():
+            found += unknown_keys(child, path=f"{path}{key}.")
+    return found
+
+
+def check_unknown_keys(cfg: Any) -> None:
+    """A ConfigError naming every key nothing reads, the valid keys there, and the likely intended key."""
+    found = unknown_keys(cfg)
+    if not found:
+        return
+    top = {name for _, names in unknown_keys_root(cfg) for name in names}
+    lines = []
+    for key, valid in found:
+        parent, _, name = key.rpartition(".")
+        close = difflib.get_close_matches(name, valid, n=1)
+        if parent and name in top:
+            hint = f" (did you mean the top-level key: {name}=...?)"
+        elif close:
+            hint = f" (did you mean {parent + '.' if parent else ''}{close[0]}?)"
+        else:
+            hint = ""
+        lines.append(f"{key}: nothing reads this key{hint}; valid keys there: {', '.join(valid)}")
+    raise ConfigError("; ".join(lines))
+
+
+def unknown_keys_root(cfg: Any) -> list[tuple[str, list[str]]]:
+    """The root schema's keys (``[("", names)]``), or nothing for an untyped config."""
+    from omegaconf import OmegaConf
+
+    kind = OmegaConf.get_type(cfg)
+    return [("", [f.name for f in dataclasses.fields(kind)])] if dataclasses.is_dataclass(kind) else []
+
+
 def validate_run_config(cfg: Any) -> None:
     """Raise ConfigError for the first problem found in a composed ``RunSchema`` config."""
+    check_unknown_keys(cfg)
     fill_auto_plan(cfg)
     trainer, strategy = cfg.trainer, cfg.strategy
     per_node = _devices_count(trainer.devices)

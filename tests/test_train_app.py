@@ -115,3 +115,25 @@ def test_help_lists_the_config_groups(tmp_path, flag):
     assert proc.returncode == 0
     for group in ("strategy:", "precision:", "model:", "trainer:", "sweep:"):
         assert group in proc.stdout
+
+
+def test_validation_and_checkpoints_run_every_quarter_of_the_steps_not_every_epoch_of_a_small_set():
+    from hydra import compose, initialize_config_module
+
+    from lightning_fsdp_plus.app.config import register_configs
+    from lightning_fsdp_plus.app.train import trainer_arguments
+
+    register_configs()
+
+    def arguments(*overrides: str) -> dict:
+        return trainer_arguments(compose("config", overrides=list(overrides)).trainer)
+
+    with initialize_config_module("lightning_fsdp_plus.conf", version_base="1.3"):
+        default, chosen = arguments("trainer.max_steps=320"), arguments("trainer.val_check_interval=50")
+        fraction = arguments("trainer.val_check_interval=0.5")
+        epochs = arguments("trainer.max_steps=-1", "trainer.max_epochs=3")
+    # steps counted across epochs: 8 examples in batches of 8 validated 320 times before, 4 times now
+    assert (default["val_check_interval"], default["check_val_every_n_epoch"]) == (80, None)
+    assert (chosen["val_check_interval"], chosen["check_val_every_n_epoch"]) == (50, None)
+    assert fraction["val_check_interval"] == 0.5 and "check_val_every_n_epoch" not in fraction  # Lightning's meaning
+    assert epochs["val_check_interval"] is None and "check_val_every_n_epoch" not in epochs

@@ -82,6 +82,23 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
     return instantiate(strategy_cfg, _convert_="all")
 
 
+VALIDATIONS_PER_RUN = 4
+"""Validations (and with them "last" checkpoints) a ``max_steps`` run makes when ``val_check_interval`` is unset."""
+
+
+def trainer_arguments(trainer_cfg: DictConfig) -> dict[str, Any]:
+    """``Trainer`` keyword arguments from the trainer node. Validation (and so the checkpoint saved after it) runs
+    every ``val_check_interval`` steps counted across epochs — by default ``max_steps / 4`` — rather than after
+    every epoch, which on a small dataset is every step."""
+    kwargs = OmegaConf.to_container(trainer_cfg, resolve=True)
+    interval, max_steps = kwargs.get("val_check_interval"), kwargs.get("max_steps", -1)
+    if interval is None and max_steps and max_steps > 0:
+        interval = max(1, max_steps // VALIDATIONS_PER_RUN)
+    if isinstance(interval, int) and not isinstance(interval, bool):
+        kwargs["val_check_interval"], kwargs["check_val_every_n_epoch"] = interval, None
+    return kwargs
+
+
 def _instantiate_all(nodes: DictConfig) -> list[Any]:
     return [instantiate(node, _convert_="all") for node in nodes.values() if node is not None]
 
@@ -99,7 +116,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     datamodule = instantiate(cfg.data)
     module = build_module(cfg.model)
     run_metrics = RunMetrics(warmup_steps=cfg.warmup_steps_for_timing)
-    trainer_kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_kwargs = trainer_arguments(cfg.trainer)
     callbacks = _instantiate_all(cfg.callbacks)
     if trainer_kwargs.get("enable_progress_bar", True) and not any(isinstance(c, ProgressBar) for c in callbacks):
         callbacks.append(progress_bar())  # Lightning's default reads "Epoch 0/-2" under max_steps

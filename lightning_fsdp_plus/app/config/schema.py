@@ -192,7 +192,9 @@ class TrainerSchema:
     max_epochs: int | None = None
     """Epochs when max_steps is -1."""
     val_check_interval: Any | None = None
-    """Validate every N steps (int) or fraction of an epoch (float); null: end of epoch / run."""
+    """Validate (and save the "last" checkpoint) every N optimizer steps counted across epochs (int), or at a
+    fraction of each epoch (float); null: every max_steps / 4 steps (a small dataset's every epoch would be every
+    step)."""
     limit_val_batches: Any | None = None
     """Cap on validation batches."""
     gradient_clip_val: float | None = 1.0

@@ -2,16 +2,21 @@
 
     fsdp-plus-export outputs/.../checkpoints/last.ckpt exported/          # auto: adapter for LoRA runs
     fsdp-plus-export CKPT OUT --format state_dict [--strip-prefix model.]
+    fsdp-plus-export outputs/.../checkpoints/last.ckpt merged/ --merge [--base PATH]   # a full model
 
 Runs in one process without GPUs: sharded checkpoints are consolidated with torch's own
 ``dcp_to_torch_save``. ``state_dict`` writes ``OUT/model.safetensors`` (keys without the LightningModule's
 attribute prefix, so a transformers model loads them); ``adapter`` writes ``OUT/adapter_config.json`` and
-``OUT/adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained``.
+``OUT/adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained``. ``--merge`` writes a whole model for
+``AutoModelForCausalLM.from_pretrained`` (safetensors, config, the base's tokenizer): the LoRA update merged into
+the base's original float weights (never into int8 or 4-bit ones the run trained on); ``--base`` defaults to the
+run's ``model.name_or_path`` (read from the Hydra run directory the checkpoint is in).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 from pathlib import Path
@@ -88,6 +93,41 @@ def export_adapter(checkpoint: dict[str, Any], out: Path) -> Path:
     return out
 
 
+def run_base(checkpoint_path: Path) -> Path:
+    """The base model of the app run that wrote ``checkpoint_path`` (its ``.hydra/config.yaml``)."""
+    for parent in checkpoint_path.resolve().parents:
+        config = parent / ".hydra" / "config.yaml"
+        if config.is_file():
+            from omegaconf import OmegaConf
+
+            name = OmegaConf.load(config).model.get("name_or_path")
+            if not name:
+                break
+            run_cwd = OmegaConf.load(parent / ".hydra" / "hydra.yaml").hydra.runtime.cwd  # where it was relative to
+            path = Path(name).expanduser()
+            return path if path.is_absolute() or not (Path(run_cwd) / path).exists() else Path(run_cwd) / path
+    raise CheckpointError(
+        f"no base model known for {checkpoint_path} (not inside an fsdp-plus-train run directory whose model has a"
+        " name_or_path): give --base PATH, the float model the adapter was trained on"
+    )
+
+
+def export_merged(checkpoint: dict[str, Any], out: Path, *, base: Path | str) -> Path:
+    """Write the base with the run's LoRA merged in, as a transformers model directory."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        adapter = export_adapter(checkpoint, Path(tmp) / "adapter")
+        model = AutoModelForCausalLM.from_pretrained(base)  # the original float weights, in their dtype
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    out.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out, safe_serialization=True)
+    with contextlib.suppress(OSError, ValueError):  # a base without a tokenizer: the weights are still complete
+        AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -95,9 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", choices=("auto", "state_dict", "adapter"), default="auto")
     parser.add_argument("--strip-prefix", default="auto", help='prefix removed from weight names ("" keeps them)')
+    parser.add_argument("--merge", action="store_true", help="a LoRA run: write the base with the adapter merged in")
+    parser.add_argument("--base", help="--merge: the float base model (default: the run's model.name_or_path)")
     args = parser.parse_args(argv)
     try:
         checkpoint = read_checkpoint(args.checkpoint)
+        if args.merge:
+            written = export_merged(checkpoint, args.out, base=args.base or run_base(args.checkpoint))
+            print(f"wrote {written}")
+            return 0
         kind = args.format
         if kind == "auto":
             kind = "adapter" if checkpoint.get("fsdp_plus", {}).get("peft") else "state_dict"

@@ -140,3 +140,22 @@ def test_the_app_refuses_a_bad_data_file_before_any_process_starts(tmp_path):
     GlobalHydra.instance().clear()
     with pytest.raises(ConfigError, match=r"data.train_files: .*train.jsonl:2: missing field 'response'"):
         validate_run_config(cfg)
+
+
+def test_alpaca_files_are_read_through_data_columns_and_a_missing_field_says_so(tmp_path):
+    records = ['{"instruction": "Name a colour.", "input": "", "output": "Blue."}',
+               '{"instruction": "Add 2 and 3.", "input": "", "output": "5"}']  # fmt: skip
+    alpaca = _write(tmp_path / "alpaca.jsonl", records)
+    with pytest.raises(
+        DataError,
+        match=r"alpaca.jsonl:1: missing field 'response'.*this record has: \['input',"
+        r" 'instruction', 'output'\]; set data.columns.response=output to read it",
+    ):
+        check_instruction_file(alpaca)
+    check_instruction_file(alpaca, columns={"response": "output"})  # mapped: accepted
+    module = InstructionDataModule(tokenizer=TOKENIZER, train_files=[str(alpaca)], val_files=[str(alpaca)],
+                                   batch_size=2, max_seq_len=64, columns={"response": "output"})  # fmt: skip
+    assert [r["response"] for r in module.val_records] == ["Blue.", "5"] and "output" not in module.val_records[0]
+    assert module.generation_prompts(1)[0]["reference"] == "Blue."
+    with pytest.raises(DataError, match=r"missing field 'response' \(data.columns maps it to 'answer'\)"):
+        check_instruction_file(alpaca, columns={"response": "answer"})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,23 +32,41 @@ OPTIONAL_FIELDS = ("input",)
 """Fields an instruction record may have."""
 
 
+COMMON_NAMES = {"instruction": ("prompt", "question", "query"), "response": ("output", "completion", "answer"),
+                "input": ("context",)}  # fmt: skip
+"""Other datasets' names for our fields (Alpaca's ``output``, ...), for the hint a missing field gets."""
+
+
 class DataError(ValueError):
     """A data file the run cannot use, with the file and the line (JSONL) or record number."""
 
 
-def _check_record(record: Any, *, where: str) -> None:
+def rename_fields(record: dict[str, Any], columns: Mapping[str, str] | None) -> dict[str, Any]:
+    """``record`` with the file's field names mapped onto ours (``columns``: our field -> the file's)."""
+    if not columns:
+        return record
+    renamed = {k: v for k, v in record.items() if k not in columns.values()}
+    renamed |= {ours: record[theirs] for ours, theirs in columns.items() if theirs in record}
+    return renamed
+
+
+def _check_record(record: Any, *, where: str, columns: Mapping[str, str] | None = None) -> None:
     expected = (f"expected fields: {', '.join(REQUIRED_FIELDS)} (required), {', '.join(OPTIONAL_FIELDS)}"
                 " (optional)")  # fmt: skip
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}; {expected}")
-    missing = [f for f in REQUIRED_FIELDS if record.get(f) is None or record.get(f) == ""]
+    fields = rename_fields(record, columns)
+    missing = [f for f in REQUIRED_FIELDS if fields.get(f) is None or fields.get(f) == ""]
     if missing:
-        raise DataError(
-            f"{where}: missing field {missing[0]!r}; {expected}; this record has: {sorted(record) or 'no fields'}"
-        )
+        field = missing[0]
+        mapped = f" (data.columns maps it to {columns[field]!r})" if columns and field in columns else ""
+        alias = next((a for a in COMMON_NAMES.get(field, ()) if a in record), None)
+        hint = f"; set data.columns.{field}={alias} to read it from {alias!r}" if alias and not mapped else ""
+        raise DataError(f"{where}: missing field {field!r}{mapped}; {expected}; this record has:"
+                        f" {sorted(record) or 'no fields'}{hint}")  # fmt: skip
 
 
-def check_instruction_file(path: str | Path) -> None:
+def check_instruction_file(path: str | Path, *, columns: Mapping[str, str] | None = None) -> None:
     """Raise DataError for the first record of ``path`` that is not ``{instruction, input?, response}``.
 
     JSONL errors name the line (``file:line``, also for lines that are not JSON); other formats the record number.
@@ -56,7 +74,7 @@ def check_instruction_file(path: str | Path) -> None:
     path = Path(path)
     if path.suffix.lower() != ".jsonl":
         for number, record in enumerate(load_records(files=[str(path)]), 1):
-            _check_record(record, where=f"{path}: record {number}")
+            _check_record(record, where=f"{path}: record {number}", columns=columns)
         return
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
@@ -66,7 +84,7 @@ def check_instruction_file(path: str | Path) -> None:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataError(f"{path}:{number}: not a JSON object ({err.msg} at column {err.colno})") from None
-            _check_record(record, where=f"{path}:{number}")
+            _check_record(record, where=f"{path}:{number}", columns=columns)
 
 
 def shuffled_sampler(dataset: Dataset, *, trainer: Any) -> DistributedSampler:
@@ -233,6 +251,7 @@ class InstructionDataModule(LightningDataModule):
         mask_prompt: Leave prompt tokens out of the loss (labels -100).
         pack: Concatenate training examples into ``max_seq_len`` blocks (no padding).
         num_workers: DataLoader workers per rank.
+        columns: The files' names for our fields, e.g. ``{"response": "output"}`` for Alpaca-format files.
     """
 
     def __init__(
@@ -249,6 +268,7 @@ class InstructionDataModule(LightningDataModule):
         mask_prompt: bool = True,
         pack: bool = False,
         num_workers: int = 0,
+        columns: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
         from transformers import AutoTokenizer
@@ -258,9 +278,13 @@ class InstructionDataModule(LightningDataModule):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.batch_size, self.num_workers = batch_size, num_workers
         for file in [*(train_files or []), *(val_files or [])]:
-            check_instruction_file(file)
-        self.train_records = load_records(files=train_files, dataset_name=dataset_name, split=train_split)
-        self.val_records = load_records(files=val_files, dataset_name=dataset_name, split=val_split)
+            check_instruction_file(file, columns=columns)
+        self.train_records = [
+            rename_fields(r, columns)
+            for r in load_records(files=train_files, dataset_name=dataset_name, split=train_split)
+        ]
+        self.val_records = [rename_fields(r, columns) for r in
+                            load_records(files=val_files, dataset_name=dataset_name, split=val_split)]  # fmt: skip
         encode = lambda r: tokenize_example(r, self.tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)  # noqa: E731
         train = [encode(r) for r in self.train_records]
         self.train_set = _Tokenized(pack(train, block_size=max_seq_len) if pack else train)

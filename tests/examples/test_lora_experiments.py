@@ -109,3 +109,23 @@ def test_sharded_and_reloaded_models_generate_the_same_greedy_tokens(runs, domai
     answers = greedy_generate(lambda ids: model(input_ids=ids).logits, AutoTokenizer.from_pretrained(BASE),
                               [r["prompt"] for r in rows], max_new_tokens=40)  # fmt: skip
     assert answers == [r["generated"] for r in rows]
+
+
+def test_export_merge_writes_a_full_model_that_answers_like_base_plus_adapter(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run = runs["medical_lora"]
+    out = tmp_path / "merged"
+    command = [sys.executable, "-m", "lightning_fsdp_plus.export", str(run / "checkpoints" / "last.ckpt"), str(out),
+               "--merge"]  # fmt: skip
+    proc = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)  # the base found from the run's own Hydra config
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not any("lora" in name for name, _ in merged.named_parameters())  # a plain transformers model
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = _reloaded(run, int8=False)(input_ids=ids).logits  # the float base with the adapter on top
+        assert (merged(input_ids=ids).logits - expected).abs().max().item() < 1e-4
+        base = AutoModelForCausalLM.from_pretrained(BASE).eval()(input_ids=ids).logits
+        assert (base - expected).abs().max().item() > 1e-2  # the adapter changed the model: the merge carried it

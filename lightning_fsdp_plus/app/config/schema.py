@@ -163,6 +163,8 @@ class InstructionDataSchema:
     """Leave prompt tokens out of the loss."""
     pack: bool = False
     """Pack training examples into max_seq_len blocks."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """The files' names for our fields, e.g. {response: output} for Alpaca files (instruction, input, output)."""
     num_workers: int = 0
     """DataLoader workers per rank."""
 

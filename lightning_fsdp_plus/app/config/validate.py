@@ -183,12 +183,13 @@ def check_data_files(data: Any) -> None:
     from lightning_fsdp_plus.app.data import DataError, check_instruction_file
 
     instruction = str(data.get("_target_", "")).endswith("InstructionDataModule")
+    columns = dict(data.get("columns") or {})
     for key in ("train_files", "val_files"):
         missing = [f for f in (data.get(key) or []) if not Path(str(f)).expanduser().is_file()]
         if missing:
             raise ConfigError(f"data.{key}: {missing} not found (relative to {Path.cwd()})")
         for file in (data.get(key) or []) if instruction else []:
             try:
-                check_instruction_file(Path(str(file)).expanduser())
+                check_instruction_file(Path(str(file)).expanduser(), columns=columns)
             except DataError as err:
                 raise ConfigError(f"data.{key}: {err}") from None

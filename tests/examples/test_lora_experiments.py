@@ -111,21 +111,44 @@ def test_sharded_and_reloaded_models_generate_the_same_greedy_tokens(runs, domai
     assert answers == [r["generated"] for r in rows]
 
 
-def test_export_merge_writes_a_full_model_that_answers_like_base_plus_adapter(runs, tmp_path):
+@pytest.fixture(scope="module")
+def merged(runs, tmp_path_factory) -> Path:
+    """``fsdp-plus-export --merge`` of the medical run, from another directory (the base found from the run)."""
+    out = tmp_path_factory.mktemp("merged")
+    command = [sys.executable, "-m", "lightning_fsdp_plus.export", str(runs["medical_lora"] / "checkpoints" /
+               "last.ckpt"), str(out), "--merge"]  # fmt: skip
+    proc = subprocess.run(command, cwd=out, env=subprocess_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, failure_excerpt(proc.stderr)
+    return out
+
+
+def test_export_merge_writes_a_full_model_that_answers_like_base_plus_adapter(runs, merged):
     from transformers import AutoModelForCausalLM
 
-    run = runs["medical_lora"]
-    out = tmp_path / "merged"
-    command = [sys.executable, "-m", "lightning_fsdp_plus.export", str(run / "checkpoints" / "last.ckpt"), str(out),
-               "--merge"]  # fmt: skip
-    proc = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, failure_excerpt(proc.stderr)  # the base found from the run's own Hydra config
-    merged = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert not any("lora" in name for name, _ in merged.named_parameters())  # a plain transformers model
-    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
-    ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    model = AutoModelForCausalLM.from_pretrained(merged).eval()
+    assert not any("lora" in name for name, _ in model.named_parameters())  # a plain transformers model
+    assert (merged / "model.safetensors").is_file() and (merged / "tokenizer.json").is_file()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = _reloaded(run, int8=False)(input_ids=ids).logits  # the float base with the adapter on top
-        assert (merged(input_ids=ids).logits - expected).abs().max().item() < 1e-4
+        expected = _reloaded(runs["medical_lora"], int8=False)(input_ids=ids).logits  # float base + the adapter
+        assert (model(input_ids=ids).logits - expected).abs().max().item() < 1e-4
         base = AutoModelForCausalLM.from_pretrained(BASE).eval()(input_ids=ids).logits
         assert (base - expected).abs().max().item() > 1e-2  # the adapter changed the model: the merge carried it
+
+
+def test_generate_answers_alike_from_the_merged_model_and_from_base_plus_adapter(runs, merged, tmp_path):
+    questions = ["What causes type 2 diabetes?", "How can the risk of eczema be reduced?"]
+    prompts = [arg for q in questions for arg in ("--prompt", q)]
+    script = Path(sys.executable).with_name("fsdp-plus-generate")
+
+    def answers(*args: str) -> list[dict]:
+        proc = subprocess.run([str(script), *args, *prompts, "--max-new-tokens", "24"], cwd=tmp_path,
+                              env=subprocess_env(), capture_output=True, text=True)  # fmt: skip
+        assert proc.returncode == 0, failure_excerpt(proc.stderr)
+        return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+    from_merged = answers(str(merged))
+    assert [a["instruction"] for a in from_merged] == questions and all(a["answer"] for a in from_merged)
+    assert from_merged == answers(str(BASE), "--adapter", str(runs["medical_lora"] / "adapter"))
+    usage = subprocess.run([str(script), str(merged)], capture_output=True, text=True, env=subprocess_env())
+    assert usage.returncode == 2 and "give --prompt TEXT" in usage.stderr

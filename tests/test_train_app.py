@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers.launch import failure_excerpt, subprocess_env
+from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
 METRIC_KEYS = {"sharding_strategy", "world_size", "peak_bytes_per_rank", "model_state_bytes_per_rank", "memory",
@@ -137,3 +138,31 @@ def test_validation_and_checkpoints_run_every_quarter_of_the_steps_not_every_epo
     assert (chosen["val_check_interval"], chosen["check_val_every_n_epoch"]) == (50, None)
     assert fraction["val_check_interval"] == 0.5 and "check_val_every_n_epoch" not in fraction  # Lightning's meaning
     assert epochs["val_check_interval"] is None and "check_val_every_n_epoch" not in epochs
+
+
+def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
+    """A new user's loop, as the README's walkthrough writes it: 10 lines of their own JSONL, a LoRA fine-tune,
+    resumed with ckpt_path=last, exported as one merged model, and asked a question."""
+    data = tmp_path / "my_data.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"What is {i} plus {i}?", "response": f"{2 * i}."}) + "\n"
+                            for i in range(10)))  # fmt: skip
+    run_dir, runner = tmp_path / "mine", str(REPO / "scripts" / "run")
+    train = [runner, "fsdp-plus-train", "data=instruction", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
+             "model=pretrained", "model.name_or_path=examples/assets/tiny-llama", "strategy=lora_only",
+             "model.lr=1e-2", "trainer.enable_progress_bar=false", "validate_before=false", "generate.num_prompts=0",
+             f"hydra.run.dir={run_dir}"]  # fmt: skip
+
+    def call(*command: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, failure_excerpt(proc.stdout + proc.stderr)
+        return proc
+
+    call(*train, "trainer.max_steps=8")
+    resumed = call(*train, "trainer.max_steps=12", "ckpt_path=last")
+    assert "Restored all states" in resumed.stdout + resumed.stderr
+    assert json.loads((run_dir / "metrics.json").read_text())["world_size"] == 2
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
+    assert checkpoint["global_step"] == 12  # 8 steps, then 4 more after the resume
+    call(runner, "fsdp-plus-export", str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "merged"), "--merge")
+    answer = call(runner, "fsdp-plus-generate", str(tmp_path / "merged"), "--prompt", "What is 3 plus 3?")
+    assert json.loads(answer.stdout.splitlines()[-1])["instruction"] == "What is 3 plus 3?"

@@ -163,6 +163,12 @@ def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
     assert json.loads((run_dir / "metrics.json").read_text())["world_size"] == 2
     checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
     assert checkpoint["global_step"] == 12  # 8 steps, then 4 more after the resume
+    trained = json.loads((run_dir / "metrics.json").read_text())
+    # evaluate only (train=false): the checkpoint of another run directory, the same held-out data, the same loss
+    call(*train[:-1], f"hydra.run.dir={tmp_path / 'eval'}", "train=false", f"ckpt_path={run_dir}/checkpoints/last.ckpt")
+    evaluated = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert evaluated["mode"] == "evaluate" and evaluated["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6)
+    assert not (tmp_path / "eval" / "checkpoints").exists()  # nothing trained, nothing saved
     call(runner, "fsdp-plus-export", str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "merged"), "--merge")
     answer = call(runner, "fsdp-plus-generate", str(tmp_path / "merged"), "--prompt", "What is 3 plus 3?")
     assert json.loads(answer.stdout.splitlines()[-1])["instruction"] == "What is 3 plus 3?"

@@ -129,6 +129,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         logger=_instantiate_all(cfg.logger) or False,
         default_root_dir=str(output_dir),
     )
+    if not cfg.train:
+        return evaluate(cfg, trainer=trainer, module=module, datamodule=datamodule, output_dir=output_dir)
     base = trainer.validate(module, datamodule=datamodule, verbose=False)[0] if cfg.validate_before else {}
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
@@ -166,6 +168,26 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
         before = f"{metrics['base_val_perplexity']:.2f} -> " if metrics["base_val_perplexity"] else ""
         rank_zero_info(f"val perplexity {before}{metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
+    return metrics
+
+
+def evaluate(cfg: DictConfig, *, trainer: Trainer, module: Any, datamodule: Any, output_dir: Path) -> dict[str, Any]:
+    """``train=false``: validate the model (from ``ckpt_path`` when given) and write metrics.json (and generations)."""
+    final = trainer.validate(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)[0]
+    if cfg.generate.num_prompts > 0 and hasattr(datamodule, "generation_prompts"):
+        write_generations(trainer, datamodule, output_dir / GENERATIONS_FILE, cfg.generate)
+    metrics = {
+        "mode": "evaluate",
+        "ckpt_path": cfg.ckpt_path,
+        "sharding_strategy": trainer.strategy.sharding_strategy.value,
+        "world_size": trainer.world_size,
+        "val_loss": final.get("val_loss"),
+        "val_perplexity": final.get("val_perplexity"),
+        "overrides": list(HydraConfig.get().overrides.task),
+    }
+    if trainer.is_global_zero:
+        (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
+        rank_zero_info(f"val perplexity {metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
     return metrics
 
 

@@ -240,6 +240,9 @@ class RunSchema:
     ckpt_path: str | None = None
     """Resume training: ``last`` (the newest "last" checkpoint in this run directory's checkpoints/, e.g. the one a
     preempted run saved; rerun with the same ``hydra.run.dir``) or a checkpoint path."""
+    train: bool = True
+    """false: evaluate only — validate on the held-out data (the model from ``ckpt_path`` when given, e.g.
+    ``last`` of this run directory or another run's checkpoint), write metrics.json (and generations); no training."""
     validate_before: bool = True
     """Validate once before training (the 'before' perplexity)."""
     warmup_steps_for_timing: int = 2

@@ -25,7 +25,8 @@ DOMAINS = ["medical_lora", "legal_lora"]
 def runs(tmp_path_factory) -> dict[str, Path]:
     sweep = tmp_path_factory.mktemp("experiments")
     command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", "-m", "experiment=medical_lora,legal_lora",
-               "trainer.max_steps=60", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+               "trainer.max_steps=60", "trainer.val_check_interval=60", "trainer.enable_progress_bar=false",
+               f"hydra.sweep.dir={sweep}"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
     return {d: next(p for p in sweep.iterdir() if f"experiment={d}" in p.name) for d in DOMAINS}
@@ -114,11 +115,10 @@ def test_sharded_and_reloaded_models_generate_the_same_greedy_tokens(runs, domai
 @pytest.fixture(scope="module")
 def merged(runs, tmp_path_factory) -> Path:
     """``fsdp-plus-export --merge`` of the medical run, from another directory (the base found from the run)."""
+    from lightning_fsdp_plus.export import main
+
     out = tmp_path_factory.mktemp("merged")
-    command = [sys.executable, "-m", "lightning_fsdp_plus.export", str(runs["medical_lora"] / "checkpoints" /
-               "last.ckpt"), str(out), "--merge"]  # fmt: skip
-    proc = subprocess.run(command, cwd=out, env=subprocess_env(), capture_output=True, text=True)
-    assert proc.returncode == 0, failure_excerpt(proc.stderr)
+    assert main([str(runs["medical_lora"] / "checkpoints" / "last.ckpt"), str(out), "--merge"]) == 0
     return out
 
 
@@ -136,19 +136,19 @@ def test_export_merge_writes_a_full_model_that_answers_like_base_plus_adapter(ru
         assert (base - expected).abs().max().item() > 1e-2  # the adapter changed the model: the merge carried it
 
 
-def test_generate_answers_alike_from_the_merged_model_and_from_base_plus_adapter(runs, merged, tmp_path):
+def test_generate_answers_alike_from_the_merged_model_and_from_base_plus_adapter(runs, merged, capsys):
+    from lightning_fsdp_plus.app.generate import main  # fsdp-plus-generate (the walkthrough test runs the command)
+
     questions = ["What causes type 2 diabetes?", "How can the risk of eczema be reduced?"]
     prompts = [arg for q in questions for arg in ("--prompt", q)]
-    script = Path(sys.executable).with_name("fsdp-plus-generate")
 
     def answers(*args: str) -> list[dict]:
-        proc = subprocess.run([str(script), *args, *prompts, "--max-new-tokens", "24"], cwd=tmp_path,
-                              env=subprocess_env(), capture_output=True, text=True)  # fmt: skip
-        assert proc.returncode == 0, failure_excerpt(proc.stderr)
-        return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert main([*args, *prompts, "--max-new-tokens", "24"]) == 0
+        return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
 
     from_merged = answers(str(merged))
     assert [a["instruction"] for a in from_merged] == questions and all(a["answer"] for a in from_merged)
     assert from_merged == answers(str(BASE), "--adapter", str(runs["medical_lora"] / "adapter"))
-    usage = subprocess.run([str(script), str(merged)], capture_output=True, text=True, env=subprocess_env())
-    assert usage.returncode == 2 and "give --prompt TEXT" in usage.stderr
+    with pytest.raises(SystemExit) as usage:
+        main([str(merged)])
+    assert usage.value.code == 2 and "give --prompt TEXT" in capsys.readouterr().err

@@ -34,7 +34,7 @@ import torch
 
 from lightning_fsdp_plus.autoplan.candidates import Candidate
 from lightning_fsdp_plus.memory.assumptions import PRECISION_BYTES
-from lightning_fsdp_plus.memory.estimate import ModelDescription
+from lightning_fsdp_plus.memory.estimate import ModelDescription, bytes_per_element
 from lightning_fsdp_plus.plan import ParamInfo, resolve_mesh_layout
 
 GPU_OVERLAP = 0.8
@@ -157,12 +157,9 @@ def _is_quantized(info: ParamInfo) -> bool:
     return not info.dtype.is_floating_point and weights(info) > 0
 
 
-def _gathered_bytes(unit: Iterable[ParamInfo], compute_bytes: int) -> int:
-    return sum(p.numel * (compute_bytes if p.dtype.is_floating_point else p.dtype.itemsize) for p in unit)
-
-
-def _stored_bytes(unit: Iterable[ParamInfo], stored_bytes: int) -> int:
-    return sum(p.numel * (stored_bytes if p.dtype.is_floating_point else p.dtype.itemsize) for p in unit)
+def _unit_bytes(unit: Iterable[ParamInfo], float_bytes: int) -> int:
+    """A unit's bytes with float elements at ``float_bytes`` (compute or stored); int8 / 4-bit bytes as they are."""
+    return sum(p.numel * bytes_per_element(p, float_bytes) for p in unit)
 
 
 def predict_step_time(
@@ -205,9 +202,9 @@ def predict_step_time(
         root = index == len(model.units) - 1
         gathers = 2 if reshard and not root else 1
         grads = sum(p.numel for p in unit if p.trainable) * pb.grad
-        comm += gathers * collective("all_gather", _gathered_bytes(unit, pb.compute), shard)
+        comm += gathers * collective("all_gather", _unit_bytes(unit, pb.compute), shard)
         comm += collective("reduce_scatter", grads, shard) + collective("all_reduce", grads / shard, replicas)
-        pcie_bytes += gathers * _stored_bytes(unit, pb.stored) / shard + grads / shard
+        pcie_bytes += gathers * _unit_bytes(unit, pb.stored) / shard + grads / shard
     updated = sum(p.numel for unit in model.units for p in unit if p.trainable) / shard
     updated += sum(p.numel for p in model.replicated if p.trainable)
     offloaded = candidate.cpu_offload and hardware.accelerator

@@ -169,7 +169,8 @@ def _elements(info: ParamInfo, shard: int) -> int:
     return sharded_numel(info.shape, shard) if info.sharded else info.numel
 
 
-def _per_element(info: ParamInfo, float_bytes: int) -> int:
+def bytes_per_element(info: ParamInfo, float_bytes: int) -> int:
+    """``float_bytes`` for a floating-point parameter (its precision's stored or compute size), else its dtype's."""
     return float_bytes if info.dtype.is_floating_point else info.dtype.itemsize
 
 
@@ -196,14 +197,14 @@ def estimate_strategy(
     kept_whole = [(p, 1) for p in model.replicated]
 
     def state(pairs: list[tuple[ParamInfo, int]]) -> tuple[int, int, int]:
-        stored = sum(_elements(p, s) * _per_element(p, pb.stored) for p, s in pairs)
+        stored = sum(_elements(p, s) * bytes_per_element(p, pb.stored) for p, s in pairs)
         grads = sum(_elements(p, s) * pb.grad for p, s in pairs if p.trainable)
         return stored, grads, sum(_elements(p, s) * states * pb.state for p, s in pairs if p.trainable)
 
     (stored, grads, opt), (r_stored, r_grads, r_opt) = state(managed), state(kept_whole)
 
     def compute_copy(unit: Iterable[ParamInfo]) -> int:
-        return sum(p.numel * _per_element(p, pb.compute) for p in unit)
+        return sum(p.numel * bytes_per_element(p, pb.compute) for p in unit)
 
     def unsharded_grads(unit: Iterable[ParamInfo]) -> int:
         return sum(p.numel * pb.compute for p in unit if p.trainable)

@@ -165,18 +165,10 @@ def hardware_from(timings: Sequence[dict[str, float]], *, world_size: int, accel
     )
 
 
-def probe_hardware(
-    *,
-    features: tuple[int, int],
-    tokens: int,
-    precision: str,
-    device: torch.device,
-    quantize: Sequence[str] = (),
-    group: Any = None,
-) -> Hardware:
-    """Measure on every rank (:func:`measure`) and agree on one :class:`Hardware` (the same on every rank)."""
-    mine = measure(features=features, tokens=tokens, precision=precision, device=device, quantize=quantize,
-                   group=group)  # fmt: skip
-    timings = all_gather_object(mine)
+def probe_hardware(**inputs: Any) -> Hardware:
+    """Measure on every rank (:func:`measure`, with its keyword arguments) and agree on one :class:`Hardware` (the
+    same on every rank)."""
+    timings = all_gather_object(measure(**inputs))
+    group = inputs.get("group")
     world = dist.get_world_size(group) if initialized() else 1
-    return hardware_from(timings, world_size=world, accelerator=device.type == "cuda")
+    return hardware_from(timings, world_size=world, accelerator=inputs["device"].type == "cuda")

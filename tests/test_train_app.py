@@ -18,7 +18,13 @@ CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
 METRIC_KEYS = {"sharding_strategy", "world_size", "peak_bytes_per_rank", "model_state_bytes_per_rank", "memory",
                "tensor_peak_bytes_per_rank",
                "step_time_s_median", "tokens_per_s", "train_loss", "val_loss", "val_perplexity"}  # fmt: skip
-QUICK = ["trainer.max_steps=8", "trainer.enable_progress_bar=false", "data.train_size=256", "data.val_size=32"]
+QUICK = [
+    "trainer.max_steps=8",
+    "trainer.enable_progress_bar=false",
+    "data.train_size=256",
+    "data.val_size=32",
+    "validate_before=false",
+]
 
 
 def run_app(args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -1,7 +1,7 @@
 """The medical and legal LoRA experiments for real (2 CPU processes, LoRA + int8 base), then checked in a plain
 single process: the exported adapter reproduces the held-out loss, and greedy answers match token for token.
 
-The experiments run as one 2-job multirun with 60 steps instead of the configured 300 to keep the suite short;
+The experiments run as one 2-job multirun with 45 steps instead of the configured 300 to keep the suite short;
 the README quotes full runs.
 """
 
@@ -25,7 +25,7 @@ DOMAINS = ["medical_lora", "legal_lora"]
 def runs(tmp_path_factory) -> dict[str, Path]:
     sweep = tmp_path_factory.mktemp("experiments")
     command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", "-m", "experiment=medical_lora,legal_lora",
-               "trainer.max_steps=60", "trainer.val_check_interval=60", "trainer.enable_progress_bar=false",
+               "trainer.max_steps=45", "trainer.val_check_interval=45", "trainer.enable_progress_bar=false",
                f"hydra.sweep.dir={sweep}"]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)

@@ -1,4 +1,5 @@
-"""Instruction data: file formats through ``datasets``, prompt templates, prompt masking, packing, padding."""
+"""Instruction data: file formats through ``datasets``, prompt templates, prompt masking, packing, padding; chats
+(OpenAI ``messages`` and ShareGPT ``conversations``) with and without a chat template."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from lightning_fsdp_plus.app.data import (
     DataError,
     InstructionDataModule,
     PadCollator,
+    chat_prompt,
+    chat_segments,
     check_instruction_file,
     load_records,
     pack,
     render_prompt,
+    tokenize_chat,
     tokenize_example,
 )
+from lightning_fsdp_plus.app.tokenizer import byte_tokenizer, load_tokenizer
 from tests.helpers.launch import REPO
 
 TOKENIZER = str(REPO / "examples" / "assets" / "tiny-llama")
@@ -91,7 +96,8 @@ def test_module_batches_and_generation_prompts(module):
     assert set(batch) == {"input_ids", "attention_mask", "labels"} and batch["input_ids"].shape[0] == 8
     prompts = module.generation_prompts(2)
     first = json.loads(VAL.read_text().splitlines()[0])
-    assert prompts[0] == {"prompt": render_prompt(first), "reference": first["response"]}
+    assert prompts[0] == {"question": first["instruction"], "prompt": render_prompt(first),
+                          "reference": first["response"]}  # fmt: skip
 
 
 def _write(path, lines):
@@ -104,7 +110,7 @@ def _write(path, lines):
     [
         (['{"instruction": "a", "response": "b"}', "", '{"instruction": "c"}'],
          r"bad.jsonl:3: missing field 'response'; expected fields: instruction, response \(required\), input "
-         r"\(optional\); this record has: \['instruction'\]"),
+         r"\(optional\); or 'messages' \(a chat\); this record has: \['instruction'\]"),
         (['{"instruction": "a", "response": "b"}', '{"instruction": "c", "response": "d",}'],
          r"bad.jsonl:2: not a JSON object \(Expecting property name enclosed in double quotes at column 38\)"),
         (['["a", "b"]'], r"bad.jsonl:1: a record must be a JSON object, got list"),
@@ -159,3 +165,81 @@ def test_alpaca_files_are_read_through_data_columns_and_a_missing_field_says_so(
     assert module.generation_prompts(1)[0]["reference"] == "Blue."
     with pytest.raises(DataError, match=r"missing field 'response' \(data.columns maps it to 'answer'\)"):
         check_instruction_file(alpaca, columns={"response": "answer"})
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+"""A ChatML template (Qwen's and many others' turn format), set on the tiny base's tokenizer."""
+RECORD = {"instruction": "What causes gout?", "response": "Uric acid crystals."}
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": RECORD["instruction"]},
+        {"role": "assistant", "content": RECORD["response"]}, {"role": "user", "content": "And?"},
+        {"role": "assistant", "content": "Diet."}]  # fmt: skip
+
+
+def _learned(example: dict, tokenizer) -> str:
+    return tokenizer.decode(
+        [i for i, label in zip(example["input_ids"], example["labels"], strict=True) if label != -100]
+    )
+
+
+@pytest.mark.parametrize("tokenizer", [load_tokenizer(TOKENIZER), byte_tokenizer()], ids=["tiny-llama", "bytes"])
+def test_a_chat_without_template_is_the_instruction_format_and_learns_only_the_answers(tokenizer):
+    one_exchange = [
+        {"role": "user", "content": RECORD["instruction"]},
+        {"role": "assistant", "content": RECORD["response"]},
+    ]
+    assert tokenize_chat(one_exchange, tokenizer, max_seq_len=500) == tokenize_example(
+        RECORD, tokenizer, max_seq_len=500
+    )
+    example = tokenize_chat(CHAT, tokenizer, max_seq_len=500)
+    eos = tokenizer.eos_token
+    assert _learned(example, tokenizer) == f"Uric acid crystals.{eos}Diet.{eos}"
+    assert tokenizer.decode(example["input_ids"]) == (
+        "Be brief.\n\n### Instruction:\nWhat causes gout?\n\n### Response:\nUric acid crystals."
+        f"{eos}### Instruction:\nAnd?\n\n### Response:\nDiet.{eos}")  # fmt: skip
+    unmasked = tokenize_chat(CHAT, tokenizer, max_seq_len=500, mask_prompt=False)
+    assert (
+        unmasked["labels"] == unmasked["input_ids"]
+        and len(tokenize_chat(CHAT, tokenizer, max_seq_len=9)["labels"]) == 9
+    )
+    assert chat_prompt(one_exchange, tokenizer) == render_prompt(RECORD)  # generation asks as training taught
+
+
+def test_a_chat_template_renders_the_conversation_and_only_answers_and_their_end_of_turn_are_learned():
+    tokenizer = load_tokenizer(TOKENIZER)
+    tokenizer.chat_template = CHATML
+    example = tokenize_chat([*CHAT, {"role": "user", "content": "unanswered"}], tokenizer, max_seq_len=500)
+    assert _learned(example, tokenizer) == "Uric acid crystals.<|im_end|>\nDiet.<|im_end|>\n"
+    assert tokenizer.decode(example["input_ids"]) == tokenizer.apply_chat_template(CHAT, tokenize=False)
+    assert chat_prompt(CHAT, tokenizer) == tokenizer.apply_chat_template(CHAT[:-1], tokenize=False,
+                                                                         add_generation_prompt=True)  # fmt: skip
+    tokenizer.chat_template = CHATML.replace("{% for m in messages %}", "{% for m in messages|reverse %}")
+    with pytest.raises(DataError, match="renders turn 3 differently once an answer follows"):
+        chat_segments(CHAT, tokenizer)
+
+
+def test_sharegpt_files_are_read_through_data_columns_and_bad_turns_are_named(tmp_path):
+    conversation = [{"from": "human", "value": "What causes gout?"}, {"from": "gpt", "value": "Uric acid crystals."}]
+    sharegpt = _write(
+        tmp_path / "sharegpt.jsonl", [json.dumps({"conversations": conversation, "id": i}) for i in range(3)]
+    )
+    with pytest.raises(DataError, match=r"sharegpt.jsonl:1: missing field 'instruction'.*set data.columns.messages="
+                       r"conversations to read 'conversations' as a chat"):  # fmt: skip
+        check_instruction_file(sharegpt)
+    columns = {"messages": "conversations"}
+    module = InstructionDataModule(tokenizer=None, train_files=[str(sharegpt)], val_files=[str(sharegpt)],
+                                   batch_size=2, max_seq_len=128, columns=columns)  # fmt: skip
+    assert module.val_set[0] == tokenize_example(RECORD, module.tokenizer, max_seq_len=128)  # human/gpt read as chat
+    assert module.generation_prompts(1) == [{"question": "What causes gout?", "prompt": render_prompt(RECORD),
+                                             "reference": "Uric acid crystals."}]  # fmt: skip
+    bad = {
+        "role 'narrator'; valid roles: system, user, human, assistant, gpt, model, bot": [{"from": "narrator"}],
+        "no assistant turn": [{"role": "user", "content": "x"}],
+        "turn 1 is an assistant turn": [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
+        r"turn 2 \(gpt\) has no text": [{"role": "user", "content": "x"}, {"role": "gpt"}],
+        "must be a non-empty list of turns": [],
+    }  # fmt: skip
+    for i, (message, turns) in enumerate(bad.items()):
+        broken = _write(tmp_path / f"bad{i}.jsonl", [json.dumps({"messages": CHAT}), json.dumps({"messages": turns})])
+        with pytest.raises(DataError, match=rf"bad{i}.jsonl:2: .*{message}"):
+            check_instruction_file(broken)

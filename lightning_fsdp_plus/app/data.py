@@ -1,8 +1,9 @@
 """Data modules for the ``fsdp-plus-train`` app: synthetic sequences, and instruction datasets.
 
 ``InstructionDataModule`` reads local JSONL/JSON/CSV/Parquet files (or a ``datasets`` dataset from the
-local cache) with Hugging Face ``datasets``, renders each example with a prompt template, tokenizes it,
-masks the prompt out of the loss (labels -100), and optionally packs examples into fixed-length blocks.
+local cache) with Hugging Face ``datasets``, renders each example with a prompt template (a chat with the
+tokenizer's chat template where it has one), tokenizes it, masks the prompt out of the loss (labels -100), and
+optionally packs examples into fixed-length blocks.
 
 Training loaders are torchdata's ``StatefulDataLoader``: Lightning saves their position in checkpoints, so a run
 resumed mid-epoch (after a preemption) continues with the next batch instead of starting the epoch again.
@@ -21,6 +22,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_fsdp_plus.app.tokenizer import load_tokenizer
+
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 """Alpaca-style prompt for examples without an input."""
 PROMPT_WITH_INPUT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
@@ -30,11 +33,19 @@ REQUIRED_FIELDS = ("instruction", "response")
 """Fields every instruction record must have (non-empty)."""
 OPTIONAL_FIELDS = ("input",)
 """Fields an instruction record may have."""
+MESSAGES_FIELD = "messages"
+"""The field of a chat record: a list of turns ``{role, content}`` (or ShareGPT's ``{from, value}``)."""
+DATA_FIELDS = (*REQUIRED_FIELDS, *OPTIONAL_FIELDS, MESSAGES_FIELD)
+"""Every field ``data.columns`` can map."""
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "model": "assistant", "bot": "assistant"}  # fmt: skip
+"""Turn roles a chat record may use (ShareGPT's ``human``/``gpt`` included) and the chat role each stands for."""
 
 
 COMMON_NAMES = {"instruction": ("prompt", "question", "query"), "response": ("output", "completion", "answer"),
-                "input": ("context",)}  # fmt: skip
-"""Other datasets' names for our fields (Alpaca's ``output``, ...), for the hint a missing field gets."""
+                "input": ("context",), MESSAGES_FIELD: ("conversations", "conversation", "dialog")}  # fmt: skip
+"""Other datasets' names for our fields (Alpaca's ``output``, ShareGPT's ``conversations``), for the hint a
+missing field gets."""
 
 
 class DataError(ValueError):
@@ -50,24 +61,60 @@ def rename_fields(record: dict[str, Any], columns: Mapping[str, str] | None) -> 
     return renamed
 
 
+def is_chat(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` (fields already renamed) is a conversation rather than an instruction."""
+    return record.get(MESSAGES_FIELD) is not None
+
+
+def normalize_messages(messages: Any, *, where: str = "messages") -> list[dict[str, str]]:
+    """A conversation as ``[{role, content}]`` with roles system/user/assistant, from OpenAI-style ``{role,
+    content}`` or ShareGPT ``{from, value}`` turns; it must open with a system or user turn and hold an assistant
+    turn (the text the model learns). Raises DataError naming the turn (1-based) otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {MESSAGES_FIELD!r} must be a non-empty list of turns, got {messages!r:.60}")
+    turns = []
+    for number, turn in enumerate(messages, 1):
+        if not isinstance(turn, Mapping):
+            raise DataError(f"{where}: turn {number} must be an object with role and content, got {turn!r:.60}")
+        role = turn.get("role") if turn.get("role") is not None else turn.get("from")
+        content = turn.get("content") if turn.get("content") is not None else turn.get("value")
+        if role not in ROLES:
+            raise DataError(f"{where}: turn {number} has role {role!r}; valid roles: {', '.join(ROLES)} (in 'role'"
+                            " or ShareGPT's 'from')")  # fmt: skip
+        if not isinstance(content, str):
+            raise DataError(f"{where}: turn {number} ({role}) has no text in 'content' (or ShareGPT's 'value')")
+        turns.append({"role": ROLES[role], "content": content})
+    if turns[0]["role"] == "assistant":
+        raise DataError(f"{where}: turn 1 is an assistant turn; a conversation opens with a system or user turn")
+    if not any(t["role"] == "assistant" for t in turns):
+        raise DataError(f"{where}: no assistant turn (role assistant or gpt): nothing to learn from")
+    return turns
+
+
 def _check_record(record: Any, *, where: str, columns: Mapping[str, str] | None = None) -> None:
     expected = (f"expected fields: {', '.join(REQUIRED_FIELDS)} (required), {', '.join(OPTIONAL_FIELDS)}"
-                " (optional)")  # fmt: skip
+                f" (optional); or {MESSAGES_FIELD!r} (a chat)")  # fmt: skip
     if not isinstance(record, dict):
         raise DataError(f"{where}: a record must be a JSON object, got {type(record).__name__}; {expected}")
     fields = rename_fields(record, columns)
+    if is_chat(fields):
+        normalize_messages(fields[MESSAGES_FIELD], where=where)
+        return
     missing = [f for f in REQUIRED_FIELDS if fields.get(f) is None or fields.get(f) == ""]
     if missing:
         field = missing[0]
-        mapped = f" (data.columns maps it to {columns[field]!r})" if columns and field in columns else ""
+        mapped = f" (data.columns maps it to {columns[field]!r})" if (columns or {}).get(field, field) != field else ""
+        chat = next((a for a in COMMON_NAMES[MESSAGES_FIELD] if isinstance(record.get(a), list)), None)
         alias = next((a for a in COMMON_NAMES.get(field, ()) if a in record), None)
         hint = f"; set data.columns.{field}={alias} to read it from {alias!r}" if alias and not mapped else ""
+        hint = f"; set data.columns.{MESSAGES_FIELD}={chat} to read {chat!r} as a chat" if chat else hint
         raise DataError(f"{where}: missing field {field!r}{mapped}; {expected}; this record has:"
                         f" {sorted(record) or 'no fields'}{hint}")  # fmt: skip
 
 
 def check_instruction_file(path: str | Path, *, columns: Mapping[str, str] | None = None) -> None:
-    """Raise DataError for the first record of ``path`` that is not ``{instruction, input?, response}``.
+    """Raise DataError for the first record of ``path`` that is neither ``{instruction, input?, response}`` nor a
+    chat (``{messages: [...]}``, checked by ``normalize_messages``).
 
     JSONL errors name the line (``file:line``, also for lines that are not JSON); other formats the record number.
     """
@@ -199,6 +246,71 @@ def tokenize_example(
     return {"input_ids": ids, "labels": labels[:max_seq_len]}
 
 
+def chat_segments(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> list[tuple[str, bool]]:
+    """A conversation (``normalize_messages``' form) as ``(text, trained)`` pieces up to its last assistant turn:
+    each assistant answer is trained, everything before it is prompt.
+
+    With the tokenizer's chat template, an answer's piece is what rendering it adds after the generation prompt
+    (end-of-turn tokens included); without one, the app's instruction template is used (a system turn, then
+    ``### Instruction`` / ``### Response`` per exchange, each answer ending in EOS), so a one-exchange chat is
+    exactly the instruction record ``{instruction, response}``.
+    """
+    last = max(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
+    messages = [dict(turn) for turn in messages[: last + 1]]
+    if not getattr(tokenizer, "chat_template", None):
+        formats = {"system": "{}\n\n", "user": PROMPT_TEMPLATE.replace("{instruction}", "{}"),
+                   "assistant": "{}" + tokenizer.eos_token}  # fmt: skip
+        return [(formats[t["role"]].format(t["content"]), t["role"] == "assistant") for t in messages]
+
+    def render(turns: list[dict[str, str]], *, prompt: bool) -> str:
+        return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=prompt)
+
+    pieces, done = [], ""
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        head, full = render(messages[:i], prompt=True), render(messages[: i + 1], prompt=False)
+        if not (head.startswith(done) and full.startswith(head)):
+            raise DataError(f"the tokenizer's chat template renders turn {i + 1} differently once an answer follows"
+                            " (its output is not a prefix of the longer conversation's), so prompt and answer"
+                            " cannot be told apart; data.tokenizer names another tokenizer")  # fmt: skip
+        pieces += [(head[len(done) :], False), (full[len(head) :], True)]
+        done = full
+    return pieces
+
+
+def tokenize_chat(
+    messages: Sequence[Mapping[str, str]], tokenizer: Any, *, max_seq_len: int, mask_prompt: bool = True
+) -> dict[str, list[int]]:
+    """``input_ids`` and ``labels`` of a conversation: only assistant answers are learned when ``mask_prompt``."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in chat_segments(messages, tokenizer):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trained or not mask_prompt else [-100] * len(piece)
+    return {"input_ids": ids[:max_seq_len], "labels": labels[:max_seq_len]}
+
+
+def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:
+    """The text a model continues to answer the conversation's last user turn (everything before the answer)."""
+    turns = list(messages)
+    if turns[-1]["role"] == "assistant":
+        turns = turns[:-1]
+    pieces = chat_segments([*turns, {"role": "assistant", "content": ""}], tokenizer)
+    return "".join(text for text, _ in pieces[:-1])
+
+
+def encode_record(
+    record: Mapping[str, Any], tokenizer: Any, *, max_seq_len: int, mask_prompt: bool = True
+) -> dict[str, list[int]]:
+    """A record (fields already renamed) tokenized: a chat through ``tokenize_chat``, else ``tokenize_example``."""
+    if is_chat(record):
+        messages = normalize_messages(record[MESSAGES_FIELD])
+        return tokenize_chat(messages, tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)
+    return tokenize_example(dict(record), tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)
+
+
 def pack(examples: Sequence[dict[str, list[int]]], *, block_size: int) -> list[dict[str, list[int]]]:
     """Concatenate tokenized examples and cut the stream into ``block_size`` blocks (the tail is dropped)."""
     ids = [t for e in examples for t in e["input_ids"]]
@@ -237,10 +349,12 @@ class PadCollator:
 
 
 class InstructionDataModule(LightningDataModule):
-    """Instruction tuning data: ``{instruction, input?, response}`` records, prompt-masked and tokenized.
+    """Instruction tuning data: ``{instruction, input?, response}`` records or chats (``{messages: [{role,
+    content}, ...]}``, ShareGPT's ``{from, value}`` turns too), prompt-masked and tokenized.
 
     Arguments:
-        tokenizer: Tokenizer directory or hub id (``AutoTokenizer``), usually the model's.
+        tokenizer: Tokenizer directory or hub id (``AutoTokenizer``), usually the model's; ``None``: the
+            byte-level tokenizer built in code (for a model built from a config).
         train_files: Local JSONL/JSON/CSV/Parquet files for training.
         val_files: Local files for held-out evaluation.
         dataset_name: A ``datasets`` dataset (local cache) used instead of files.
@@ -251,13 +365,14 @@ class InstructionDataModule(LightningDataModule):
         mask_prompt: Leave prompt tokens out of the loss (labels -100).
         pack: Concatenate training examples into ``max_seq_len`` blocks (no padding).
         num_workers: DataLoader workers per rank.
-        columns: The files' names for our fields, e.g. ``{"response": "output"}`` for Alpaca-format files.
+        columns: The files' names for our fields, e.g. ``{"response": "output"}`` for Alpaca-format files or
+            ``{"messages": "conversations"}`` for ShareGPT ones.
     """
 
     def __init__(
         self,
         *,
-        tokenizer: str,
+        tokenizer: str | None,
         train_files: Sequence[str] | None = None,
         val_files: Sequence[str] | None = None,
         dataset_name: str | None = None,
@@ -271,11 +386,7 @@ class InstructionDataModule(LightningDataModule):
         columns: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__()
-        from transformers import AutoTokenizer
-
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.tokenizer = load_tokenizer(tokenizer)
         self.batch_size, self.num_workers = batch_size, num_workers
         for file in [*(train_files or []), *(val_files or [])]:
             check_instruction_file(file, columns=columns)
@@ -285,7 +396,7 @@ class InstructionDataModule(LightningDataModule):
         ]
         self.val_records = [rename_fields(r, columns) for r in
                             load_records(files=val_files, dataset_name=dataset_name, split=val_split)]  # fmt: skip
-        encode = lambda r: tokenize_example(r, self.tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)  # noqa: E731
+        encode = lambda r: encode_record(r, self.tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)  # noqa: E731
         train = [encode(r) for r in self.train_records]
         self.train_set = _Tokenized(pack(train, block_size=max_seq_len) if pack else train)
         self.val_set = _Tokenized([encode(r) for r in self.val_records])
@@ -303,5 +414,17 @@ class InstructionDataModule(LightningDataModule):
                           num_workers=self.num_workers)  # fmt: skip
 
     def generation_prompts(self, n: int) -> list[dict[str, str]]:
-        """The first ``n`` held-out examples as ``{prompt, reference}`` for generation."""
-        return [{"prompt": render_prompt(r), "reference": str(r["response"])} for r in self.val_records[:n]]
+        """The first ``n`` held-out examples as ``{question, prompt, reference}`` for generation (a chat's last
+        answer is the reference, the conversation before it the prompt)."""
+        prompts = []
+        for record in self.val_records[:n]:
+            if is_chat(record):
+                turns = normalize_messages(record[MESSAGES_FIELD])
+                turns = turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant") + 1]
+                question = next(t["content"] for t in reversed(turns) if t["role"] == "user")
+                prompts.append({"question": question, "prompt": chat_prompt(turns, self.tokenizer),
+                                "reference": turns[-1]["content"]})  # fmt: skip
+            else:
+                prompts.append({"question": str(record["instruction"]), "prompt": render_prompt(record),
+                                "reference": str(record["response"])})  # fmt: skip
+        return prompts

@@ -53,20 +53,39 @@ def load_for_generation(model: str, *, adapter: str | None = None) -> tuple[Any,
     return loaded.eval(), AutoTokenizer.from_pretrained(model)
 
 
+def generation_prompt(record: dict[str, Any], tokenizer: Any, *, chat: bool = False) -> tuple[str, str]:
+    """``(question, prompt)`` for one record: a chat (``messages``) through the tokenizer's chat template up to its
+    last user turn; an instruction in the app's instruction template, or as one user turn when ``chat``."""
+    from lightning_fsdp_plus.app.data import MESSAGES_FIELD, chat_prompt, is_chat, normalize_messages, render_prompt
+
+    if is_chat(record):
+        turns = normalize_messages(record[MESSAGES_FIELD], where="--file")
+        while turns[-1]["role"] == "assistant":  # answer the last question, not after a given answer
+            turns = turns[:-1]
+        return turns[-1]["content"], chat_prompt(turns, tokenizer)
+    if chat:
+        return str(record["instruction"]), chat_prompt([{"role": "user", "content": str(record["instruction"])}],
+                                                       tokenizer)  # fmt: skip
+    return str(record["instruction"]), render_prompt(record)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``fsdp-plus-generate MODEL [--adapter DIR] (--prompt TEXT ... | --file records.jsonl)``: greedy answers to
-    instructions, in the prompt template the app trains with, one JSON line per answer."""
+    """``fsdp-plus-generate MODEL [--adapter DIR] [--chat] (--prompt TEXT ... | --file records.jsonl)``: greedy
+    answers to instructions, in the prompt template the app trains with, one JSON line per answer."""
     import argparse
     import json
     import sys
 
-    from lightning_fsdp_plus.app.data import load_records, render_prompt
+    from lightning_fsdp_plus.app.data import load_records
 
     parser = argparse.ArgumentParser(prog="fsdp-plus-generate", description=main.__doc__)
     parser.add_argument("model", help="a model directory: a merged export, or the base (with --adapter)")
     parser.add_argument("--adapter", help="a PEFT adapter directory (a run's adapter/ or fsdp-plus-export's)")
     parser.add_argument("--prompt", action="append", default=[], help="an instruction (repeatable)")
-    parser.add_argument("--file", help="JSONL/JSON/CSV/Parquet records with 'instruction' (and 'input')")
+    parser.add_argument("--file", help="JSONL/JSON/CSV/Parquet records: 'instruction' (and 'input'), or chats"
+                        " ('messages'; answered after their last user turn)")  # fmt: skip
+    parser.add_argument("--chat", action="store_true", help="send instructions as a user turn through the"
+                        " tokenizer's chat template (for a model trained on chats)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     if not args.prompt and not args.file:
@@ -77,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_for_generation(args.model, adapter=args.adapter)
     except OSError as err:
         parser.exit(2, f"fsdp-plus-generate: error: {err}\n")
-    prompts = [render_prompt(r) for r in records]
-    answers = greedy_generate(lambda ids: model(input_ids=ids).logits, tokenizer, prompts,
+    questions, prompts = zip(*(generation_prompt(r, tokenizer, chat=args.chat) for r in records), strict=True)
+    answers = greedy_generate(lambda ids: model(input_ids=ids).logits, tokenizer, list(prompts),
                               max_new_tokens=args.max_new_tokens)  # fmt: skip
-    for record, answer in zip(records, answers, strict=True):
-        sys.stdout.write(json.dumps({"instruction": record["instruction"], "answer": answer}) + "\n")
+    for question, answer in zip(questions, answers, strict=True):
+        sys.stdout.write(json.dumps({"instruction": question, "answer": answer}) + "\n")
     return 0

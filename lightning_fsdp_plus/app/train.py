@@ -61,14 +61,20 @@ METRICS_FILE = "metrics.json"
 GENERATIONS_FILE = "generations.jsonl"
 
 
-def build_module(model_cfg: DictConfig) -> Any:
+def build_module(model_cfg: DictConfig, *, tokenizer: Any = None) -> Any:
     """The LightningModule: ``_target_`` with ``kwargs``, else ``CausalLMModule`` around a transformers LM
-    (pretrained ones built on meta and loaded by the strategy, unless ``model.low_memory_load=false``)."""
+    (pretrained ones built on meta and loaded by the strategy, unless ``model.low_memory_load=false``). A model
+    built from a config with ``vocab_size: null`` gets the data's ``tokenizer``'s size."""
     from lightning_fsdp_plus.app.lm import CausalLMModule, build_causal_lm
 
     if model_cfg.get("_target_"):
         return instantiate({"_target_": model_cfg._target_, **model_cfg.kwargs}, _convert_="all")
     config = OmegaConf.to_container(model_cfg.config, resolve=True) if model_cfg.config is not None else None
+    if config is not None and "vocab_size" in config and config["vocab_size"] is None:
+        if tokenizer is None:
+            raise ConfigError("model.config.vocab_size is null (the data's tokenizer's size) but the data module has"
+                              " no tokenizer: set model.config.vocab_size=N")  # fmt: skip
+        config["vocab_size"] = len(tokenizer)
     hyper = {"lr": model_cfg.lr, "weight_decay": model_cfg.weight_decay}
     if model_cfg.name_or_path is not None and model_cfg.low_memory_load:  # weights read per rank after sharding
         return CausalLMModule.from_pretrained(model_cfg.name_or_path, torch_dtype=model_cfg.torch_dtype,
@@ -114,7 +120,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     seed_everything(cfg.seed, workers=True)
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     datamodule = instantiate(cfg.data)
-    module = build_module(cfg.model)
+    module = build_module(cfg.model, tokenizer=getattr(datamodule, "tokenizer", None))
     run_metrics = RunMetrics(warmup_steps=cfg.warmup_steps_for_timing)
     trainer_kwargs = trainer_arguments(cfg.trainer)
     callbacks = _instantiate_all(cfg.callbacks)
@@ -207,8 +213,7 @@ def write_generations(trainer: Trainer, datamodule: Any, path: Path, settings: D
         rows = [{**p, "generated": a} for p, a in zip(prompts, answers, strict=True)]
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         for row in rows:
-            question = row["prompt"].split("### Instruction:\n", 1)[-1].split("\n", 1)[0]
-            rank_zero_info(f"Q: {question}\n   A: {row['generated']}")
+            rank_zero_info(f"Q: {row['question']}\n   A: {row['generated']}")
 
 
 def run_job_in_subprocess() -> dict[str, Any]:

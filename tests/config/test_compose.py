@@ -208,3 +208,25 @@ def test_auto_plans_for_the_instruction_datas_longest_sequence_unless_told_other
     assert cfg.strategy.plan_seq_len == 7
     with pytest.raises(ConfigError, match=r"strategy.memory_budget='lots' is not a size"):
         validate_run_config(compose("config", overrides=["strategy=auto", "strategy.memory_budget=lots"]))
+
+
+def test_own_data_composes_with_the_default_model_and_data_columns_maps_each_field_by_name():
+    cfg = compose("config", overrides=["data=instruction", "data.columns.response=output",
+                                       "data.columns.messages=conversations"])  # fmt: skip
+    # the model built from a config reads bytes: no tokenizer to name, its vocabulary sized from the data's
+    assert cfg.data.tokenizer is None and cfg.model.config.vocab_size is None
+    assert cfg.model.config.max_position_embeddings == cfg.data.max_seq_len == 256
+    assert dict(cfg.data.columns) == {"instruction": "instruction", "input": "input", "response": "output",
+                                      "messages": "conversations"}  # fmt: skip
+    with pytest.raises(ConfigCompositionException) as info:
+        compose("config", overrides=["data=instruction", "data.columns.respones=output"])
+    assert "full_key: data.columns.respones" in str(info.value.__cause__)
+
+
+def test_a_config_built_model_without_a_vocabulary_size_or_a_tokenizer_to_take_it_from_is_refused():
+    from lightning_fsdp_plus.app.train import build_module
+
+    cfg = compose("config", overrides=["model.config.vocab_size=null"])
+    with pytest.raises(ConfigError, match=r"model.config.vocab_size is null .* set model.config.vocab_size=N"):
+        build_module(cfg.model)
+    assert build_module(cfg.model, tokenizer=list(range(300))).model.config.vocab_size == 300  # len(tokenizer)

@@ -14,6 +14,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
+from lightning_fsdp_plus.app.data import DATA_FIELDS
 from lightning_fsdp_plus.lora import DEFAULT_TARGETS
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.plan import AUTO, ShardingStrategy, _CaseInsensitiveNames
@@ -143,10 +144,12 @@ class InstructionDataSchema:
 
     _target_: str = "lightning_fsdp_plus.app.data.InstructionDataModule"
     """The LightningDataModule class."""
-    tokenizer: str = "${model.name_or_path}"
-    """Tokenizer directory or hub id; the model's by default."""
+    tokenizer: str | None = "${model.name_or_path}"
+    """Tokenizer directory or hub id; the model's by default; null (a model built from a config, the default
+    tiny Llama): a byte-level tokenizer built in code (258 tokens), to which the model's vocabulary is sized."""
     train_files: list[str] | None = None
-    """Local JSONL/JSON/CSV/Parquet training files ({instruction, input?, response} records)."""
+    """Local JSONL/JSON/CSV/Parquet training files: {instruction, input?, response} records, or chats
+    {messages: [{role, content}, ...]} (rendered with the tokenizer's chat template where it has one)."""
     val_files: list[str] | None = None
     """Local held-out files."""
     dataset_name: str | None = None
@@ -163,8 +166,10 @@ class InstructionDataSchema:
     """Leave prompt tokens out of the loss."""
     pack: bool = False
     """Pack training examples into max_seq_len blocks."""
-    columns: dict[str, str] = field(default_factory=dict)
-    """The files' names for our fields, e.g. {response: output} for Alpaca files (instruction, input, output)."""
+    columns: dict[str, str] = field(default_factory=lambda: {f: f for f in DATA_FIELDS})
+    """The files' name for each of our fields (instruction, input, response, messages), e.g. response: output for
+    Alpaca files (instruction, input, output), messages: conversations for ShareGPT files ({from, value} turns
+    are read as {role, content}); a misspelt field is an error."""
     num_workers: int = 0
     """DataLoader workers per rank."""
 

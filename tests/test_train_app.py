@@ -165,20 +165,22 @@ def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
     assert json.loads(answer.stdout.splitlines()[-1])["instruction"] == "What is 3 plus 3?"
 
 
-def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file(tmp_path):
+def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkpoints_by_steps(tmp_path):
     """The README's own-data line with the default model (built from a config, no tokenizer files): it reads bytes,
-    and a ShareGPT file is one data.columns key away."""
+    a ShareGPT file is one data.columns key away, and checkpoint.every_n_train_steps sets the checkpoint interval."""
     turns = lambda i: [{"from": "human", "value": f"What is {i} plus {i}?"}, {"from": "gpt", "value": f"{2 * i}."}]  # noqa: E731
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"conversations": turns(i)}) + "\n" for i in range(10)))
     run_dir = tmp_path / "run"
     proc = run_app(["data=instruction", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
                     "data.columns.messages=conversations", "trainer.max_steps=4", "trainer.enable_progress_bar=false",
-                    "generate.num_prompts=1", "generate.max_new_tokens=4", f"hydra.run.dir={run_dir}"],
-                   cwd=tmp_path)  # fmt: skip
+                    "generate.num_prompts=1", "generate.max_new_tokens=4", f"hydra.run.dir={run_dir}",
+                    "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=2"], cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, failure_excerpt(proc.stdout + proc.stderr)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["val_loss"] < metrics["base_val_loss"]  # it learned something
     [row] = [json.loads(line) for line in (run_dir / "generations.jsonl").read_text().splitlines()]
     assert (row["question"], row["reference"]) == ("What is 0 plus 0?", "0.")
     assert row["prompt"] == "### Instruction:\nWhat is 0 plus 0?\n\n### Response:\n"  # no chat template: ours
+    # saved every 2 steps (step 4 last), not after the validation at step 3
+    assert torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4

@@ -143,6 +143,7 @@ def test_sharding_strategy_is_case_insensitive_in_configs_too():
         (["strategy.quantize_base=nf4", "strategy.quantize_blocksize=100"],
          r"strategy.quantize_blocksize=100 is not one of 32, 64"),
         (["trainer.gradient_clip_algorithm=l2"], r"trainer.gradient_clip_algorithm='l2' is not one of norm, value"),
+        (["checkpoint.every_n_train_steps=0"], r"checkpoint.every_n_train_steps=0 must be a positive integer"),
         (["+nosuch=1"], r"nosuch: nothing reads this key; valid keys there: strategy, precision, model"),
         (["+ckpt_pth=last"], r"ckpt_pth: nothing reads this key \(did you mean ckpt_path\?\)"),
         (["+trainer.ckpt_path=last"], r"trainer.ckpt_path: nothing reads this key \(did you mean the top-level key"),

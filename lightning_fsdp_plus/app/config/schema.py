@@ -221,6 +221,14 @@ class TrainerSchema:
 
 
 @dataclass
+class CheckpointSchema:
+    """When the run saves its "last" checkpoint (the default callbacks' ``ModelCheckpoint``)."""
+
+    every_n_train_steps: int | None = None
+    """Save every N optimizer steps; null: after each validation (every ``trainer.val_check_interval`` steps)."""
+
+
+@dataclass
 class RunSchema:
     """The whole run: everything ``fsdp-plus-train`` composes."""
 
@@ -234,6 +242,8 @@ class RunSchema:
     """The data module node; each data/ preset takes its schema from the ConfigStore group data_schema."""
     trainer: TrainerSchema = field(default_factory=TrainerSchema)
     """Trainer arguments."""
+    checkpoint: CheckpointSchema = field(default_factory=CheckpointSchema)
+    """Checkpoint interval (read by ``callbacks.model_checkpoint``)."""
     callbacks: dict[str, Any] = field(default_factory=dict)
     """Lightning callbacks by name, each a ``_target_`` node (null entries are skipped)."""
     logger: dict[str, Any] = field(default_factory=dict)

@@ -159,6 +159,10 @@ def validate_run_config(cfg: Any) -> None:
     per_node = _devices_count(trainer.devices)
     if not isinstance(trainer.num_nodes, int) or trainer.num_nodes < 1:
         raise ConfigError(f"trainer.num_nodes={trainer.num_nodes!r} must be a positive integer")
+    every = cfg.checkpoint.every_n_train_steps
+    if every is not None and every < 1:
+        raise ConfigError(f"checkpoint.every_n_train_steps={every!r} must be a positive integer (or null: after each"
+                          " validation)")  # fmt: skip
     if trainer.gradient_clip_algorithm not in ("norm", "value"):
         raise ConfigError(
             f"trainer.gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not one of norm, value"

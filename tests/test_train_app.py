@@ -165,9 +165,12 @@ def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
     assert json.loads(answer.stdout.splitlines()[-1])["instruction"] == "What is 3 plus 3?"
 
 
-def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkpoints_by_steps(tmp_path):
+def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkpoints_by_steps_loggers(tmp_path):
     """The README's own-data line with the default model (built from a config, no tokenizer files): it reads bytes,
-    a ShareGPT file is one data.columns key away, and checkpoint.every_n_train_steps sets the checkpoint interval."""
+    a ShareGPT file is one data.columns key away, checkpoint.every_n_train_steps sets the checkpoint interval, and
+    the tensorboard and wandb presets (offline: no network) log the run's metrics and its config."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     turns = lambda i: [{"from": "human", "value": f"What is {i} plus {i}?"}, {"from": "gpt", "value": f"{2 * i}."}]  # noqa: E731
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"conversations": turns(i)}) + "\n" for i in range(10)))
@@ -175,7 +178,8 @@ def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkp
     proc = run_app(["data=instruction", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
                     "data.columns.messages=conversations", "trainer.max_steps=4", "trainer.enable_progress_bar=false",
                     "generate.num_prompts=1", "generate.max_new_tokens=4", f"hydra.run.dir={run_dir}",
-                    "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=2"], cwd=tmp_path)  # fmt: skip
+                    "trainer.val_check_interval=3", "checkpoint.every_n_train_steps=2",
+                    "logger=[csv,tensorboard,wandb]", "trainer.log_every_n_steps=1"], cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, failure_excerpt(proc.stdout + proc.stderr)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["val_loss"] < metrics["base_val_loss"]  # it learned something
@@ -184,3 +188,18 @@ def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkp
     assert row["prompt"] == "### Instruction:\nWhat is 0 plus 0?\n\n### Response:\n"  # no chat template: ours
     # saved every 2 steps (step 4 last), not after the validation at step 3
     assert torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
+    scalars = {}
+    for events in (run_dir / "tensorboard" / "version_0").glob("events.out.tfevents.*"):  # one file per stage
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        for tag in accumulator.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in accumulator.Scalars(tag))
+    assert [step for step, _ in scalars["train_loss"]] == [0, 1, 2, 3]  # every step (Lightning counts from 0)
+    assert (4, pytest.approx(metrics["val_loss"], rel=1e-6)) in scalars["val_loss"]
+    for hparams in (
+        run_dir / "tensorboard" / "version_0" / "hparams.yaml",
+        run_dir / "csv" / "version_0" / "hparams.yaml",
+    ):
+        assert "messages: conversations" in hparams.read_text()  # the run's resolved config
+    [offline] = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")  # wandb's own record of the run
+    assert all(key in offline.read_bytes() for key in (b"train_loss", b"val_perplexity", b"conversations"))

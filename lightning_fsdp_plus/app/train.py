@@ -135,6 +135,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         logger=_instantiate_all(cfg.logger) or False,
         default_root_dir=str(output_dir),
     )
+    for logger in trainer.loggers:  # the run's whole config, as lightning-hydra-template logs it (rank 0 only)
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if not cfg.train:
         return evaluate(cfg, trainer=trainer, module=module, datamodule=datamodule, output_dir=output_dir)
     base = trainer.validate(module, datamodule=datamodule, verbose=False)[0] if cfg.validate_before else {}

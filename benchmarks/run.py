@@ -8,7 +8,7 @@ repetition runs every case once, in the same order, so slow drift of the machine
 each case reports the median of its post-warm-up steps. Across repetitions the report gives the median
 and the spread (min-max) of step time, and of each ``fsdp_plus_<s> / fsdp2_loop_<s>`` ratio computed
 within a repetition. Writes ``results.json``, ``results.md`` and ``results.png`` (rank 0).
-``--quick`` (small model, 5 repetitions of 3 + 12 steps) takes about 3 minutes on 2 CPU cores.
+``--quick``: a small model, 5 repetitions of 3 + 12 steps (the report's first line gives the wall time).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from lightning_fsdp_plus._dist import all_gather_object, shutdown
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small model: about 3 minutes on 2 cores")
+    parser.add_argument("--quick", action="store_true", help="small model, 3 + 12 steps per case")
     parser.add_argument("--devices", type=int, default=2, help="ranks (processes)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--repeats", type=int, default=5, help="repetitions (default 5)")

@@ -20,13 +20,18 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 TABLES = {"options-table": options_markdown, "fsdpstrategy-table": compat_markdown}
 
 
+def replace_block(text: str, name: str, content: str) -> str:
+    """``text`` with the block between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` replaced by ``content``."""
+    pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"README.md has no <!-- {name}:start --> ... <!-- {name}:end --> block")
+    return pattern.sub(lambda m: m.group(1) + content + m.group(2), text)
+
+
 def render(text: str) -> str:
     """``text`` with every marked table replaced by its generated content."""
     for name, make in TABLES.items():
-        pattern = re.compile(rf"(<!-- {name}:start -->\n).*?(<!-- {name}:end -->)", re.S)
-        if not pattern.search(text):
-            raise SystemExit(f"README.md has no <!-- {name}:start --> ... <!-- {name}:end --> block")
-        text = pattern.sub(lambda m, make=make: m.group(1) + make() + m.group(2), text)
+        text = replace_block(text, name, make())
     return text
 
 

@@ -63,12 +63,10 @@ def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path
     assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 400
 
 
-BAD_INPUT = {
-    "strategy.sharding_strategy=FULLSHARD": ("strategy.sharding_strategy", "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD"),
-    "strategy.nosuchkey=1": ("strategy.nosuchkey", "not in 'StrategySchema'"),
-    "precision=fp8": ("precision/fp8", "bf16_mixed"),
-    "trainer.devices=0": ("trainer.devices=0", "a positive integer"),
-    "strategy.hybrid_shard_size=3": ("strategy.hybrid_shard_size=3", "valid choices: 1, 2"),
+BAD_INPUT = {  # the exit status and the output's shape, for each path an error takes (every message: tests/config)
+    "strategy.nosuchkey=1": ("strategy.nosuchkey", "not in 'StrategySchema'"),  # Hydra, composing
+    "precision=fp8": ("precision/fp8", "bf16_mixed"),  # Hydra, choosing an option
+    "strategy.hybrid_shard_size=3": ("strategy.hybrid_shard_size=3", "valid choices: 1, 2"),  # our validation
     "model.name_or_path=/nonexistent/dir": ("model.name_or_path='/nonexistent/dir'", "a local model directory"),
 }
 

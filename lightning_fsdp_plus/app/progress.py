@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE  # where lightning 2.5 has it too
 from typing_extensions import override
 
 

@@ -145,7 +145,9 @@ class FourBitLinear(nn.Module):
         if compute is not None:
             x = x.to(compute)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return bnb.matmul_4bit(x, self.weight.reshape(-1, 1), bias=bias, quant_state=self.quant_state()).to(inp_dtype)
+        # transposed, as Linear4bit passes it through bitsandbytes 0.48 (0.49 and 0.50 accept this layout too)
+        packed = self.weight.reshape(-1, 1).t()
+        return bnb.matmul_4bit(x, packed, bias=bias, quant_state=self.quant_state()).to(inp_dtype)
 
     def dequantize(self) -> Tensor:
         """The float weight the packed one stands for (``[out, in]``, in ``weight_dtype``)."""

@@ -106,12 +106,14 @@ def test_config_without_model_type_is_refused(tmp_path):
 
 
 def test_console_script_prints_a_table_and_fails_with_status_2():
-    ok = subprocess.run([sys.executable, "-m", "lightning_fsdp_plus.memory.cli", "--params", "7.5e9", "--world-size",
-                         "64", "--strategy", "full_shard"], capture_output=True, text=True, cwd=REPO)  # fmt: skip
-    assert ok.returncode == 0 and "FULL_SHARD" in ok.stdout and "1.875" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "lightning_fsdp_plus.memory.cli", "--params", "7.5e9",
-                          "--world-size", "-2"], capture_output=True, text=True, cwd=REPO)  # fmt: skip
-    assert bad.returncode == 2 and "world_size=-2 must be a positive integer" in bad.stderr
+    cli = [sys.executable, "-m", "lightning_fsdp_plus.memory.cli", "--params", "7.5e9"]
+    runs = [
+        subprocess.Popen([*cli, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        for args in (["--world-size", "64", "--strategy", "full_shard"], ["--world-size", "-2"])
+    ]  # together
+    (ok_out, _), (_, bad_err) = (run.communicate(timeout=120) for run in runs)
+    assert runs[0].returncode == 0 and "FULL_SHARD" in ok_out and "1.875" in ok_out
+    assert runs[1].returncode == 2 and "world_size=-2 must be a positive integer" in bad_err
 
 
 @pytest.mark.parametrize(("precision", "checkpointing"), [("32-true", False), ("bf16-mixed", False), ("32-true", True)])

@@ -14,6 +14,8 @@ from tests.helpers.launch import REPO, run_script
 from tests.helpers.models import train_reference
 
 DIST_CASES = REPO / "tests" / "helpers" / "dist_cases.py"
+LORA_KINDS = ("lora_int8", "lora_nf4")
+"""The LoRA checkpoint scenarios: a replicated int8 base (adapter-only checkpoint) and a sharded NF4 one."""
 
 
 @dataclass
@@ -58,8 +60,10 @@ def reference():
 
 @pytest.fixture(scope="session")
 def ckpt_reference(tmp_path_factory) -> dict[str, tuple]:
-    """Uninterrupted ``ckpt_cases.py`` runs, full fine-tune and LoRA+int8: (losses, final state, out dir)."""
+    """Uninterrupted ``ckpt_cases.py`` runs, full fine-tune, LoRA on int8 and on NF4 bases (one launch for both):
+    (losses, final state, out dir)."""
     full, lora = tmp_path_factory.mktemp("reference_full"), tmp_path_factory.mktemp("reference_lora")
     launch(full, "full_ft")
-    launch(lora, "lora", "--kind", "lora_int8")
-    return {"full_ft": (*result(full, "full_ft"), full), "lora_int8": (*result(lora, "lora"), lora)}
+    launch(lora, "lora", "--kind", ",".join(LORA_KINDS))
+    return {"full_ft": (*result(full, "full_ft"), full),
+            **{kind: (*result(lora / kind, "lora"), lora / kind) for kind in LORA_KINDS}}  # fmt: skip

@@ -20,33 +20,25 @@ import pytest
 import torch
 
 from lightning_fsdp_plus.checkpoint import CheckpointError, load_full, verify
+from tests.conftest import LORA_KINDS
 from tests.helpers.ckpt_runs import SCRIPT, launch, max_diff, result, wait_for
 from tests.helpers.launch import REPO, subprocess_env
 
 
 # full fine-tuning resumes exactly in tests/test_preemption_distributed.py (stopped mid-epoch, inside validation and a
-# checkpoint save); here the LoRA+int8 run, whose checkpoint holds the adapter only
-@pytest.mark.parametrize("kind", ["lora_int8"])
-def test_resume_is_exact(tmp_path, ckpt_reference, kind):
-    launch(tmp_path, "first", "--kind", kind, "--max-steps", "4")
-    launch(tmp_path, "resumed", "--kind", kind, "--resume", "last")
-    losses, state = result(tmp_path, "resumed")
-    ref_losses, ref_state, _ = ckpt_reference[kind]
-    assert sorted(losses, key=int) == [str(s) for s in range(5, 13)]
-    assert all(losses[k] == ref_losses[k] for k in losses)
-    assert max_diff(state, ref_state) == 0.0
-    if kind == "lora_int8":
-        assert_only_the_adapter_was_saved(tmp_path, ref_state)
-
-
-def test_resume_on_a_sharded_nf4_base_is_exact_and_saves_only_the_adapter(tmp_path):
-    launch(tmp_path, "uninterrupted", "--kind", "lora_nf4")
-    launch(tmp_path, "first", "--kind", "lora_nf4", "--max-steps", "4")
-    launch(tmp_path, "resumed", "--kind", "lora_nf4", "--resume", "last")
-    (losses, state), (ref_losses, ref_state) = result(tmp_path, "resumed"), result(tmp_path, "uninterrupted")
-    assert sorted(losses, key=int) == [str(s) for s in range(5, 13)]
-    assert all(losses[k] == ref_losses[k] for k in losses) and max_diff(state, ref_state) == 0.0
-    assert_only_the_adapter_was_saved(tmp_path, ref_state)  # nothing of the 4-bit base, statistics included
+# checkpoint save); here LoRA on a replicated int8 base and on a sharded NF4 one (nested statistics), whose
+# checkpoints hold the adapter only. Both kinds run in each launch (first 4 steps, then the resume).
+def test_lora_resume_on_int8_and_nf4_bases_is_exact_and_saves_only_the_adapter(tmp_path, ckpt_reference):
+    kinds = ",".join(LORA_KINDS)
+    launch(tmp_path, "first", "--kind", kinds, "--max-steps", "4")
+    launch(tmp_path, "resumed", "--kind", kinds, "--resume", "last")
+    for kind in LORA_KINDS:
+        losses, state = result(tmp_path / kind, "resumed")
+        ref_losses, ref_state, _ = ckpt_reference[kind]
+        assert sorted(losses, key=int) == [str(s) for s in range(5, 13)], kind
+        assert all(losses[k] == ref_losses[k] for k in losses), kind
+        assert max_diff(state, ref_state) == 0.0, kind
+        assert_only_the_adapter_was_saved(tmp_path / kind, ref_state)  # no base weight, 4-bit statistics neither
 
 
 def assert_only_the_adapter_was_saved(tmp_path: Path, ref_state: dict[str, torch.Tensor]) -> None:

@@ -1,6 +1,6 @@
 """Checkpoint scenarios on CPU processes, run as a script (see tests/test_checkpoint_distributed.py).
 
-    python tests/helpers/ckpt_cases.py --out DIR --scenario NAME [--devices 2] [--kind full_ft|lora_int8|lora_nf4]
+    python tests/helpers/ckpt_cases.py --out DIR --scenario NAME [--devices 2] [--kind full_ft|lora_int8|lora_nf4[,...]]
         [--state-dict-type sharded|full] [--max-steps N] [--resume last|PATH] [--sharding FULL_SHARD]
         [--step-sleep S] [--crash-on-commit N]  # N: SIGKILL rank 0 at its Nth checkpoint commit
         [--signal PHASE --signal-ranks 0,1 --signal-step N [--signal-name TERM]]  # a rank signals itself
@@ -14,7 +14,8 @@ validation step, inside the checkpoint save) when ``global_step`` is N; each wri
 
 Training: 3 epochs x 4 steps of SGD+momentum on fixed data (same order every epoch); a checkpoint
 ("last") every 4 steps, in DIR/ckpt. Each rank writes DIR/<scenario>.rank<r>.json (per-step global
-losses); rank 0 writes DIR/<scenario>.pt (the full final state dict).
+losses); rank 0 writes DIR/<scenario>.pt (the full final state dict). Several kinds (``--kind lora_int8,lora_nf4``)
+run one after the other in the same processes, each in DIR/<kind>/ (one launch instead of several).
 """
 
 from __future__ import annotations
@@ -134,7 +135,10 @@ def main() -> None:
     status: dict = {"code": 0}
     atexit.register(record_exit, args.out, args.scenario, status)  # registered first: runs after the strategy's
     try:
-        run(args)
+        kinds = args.kind.split(",")
+        for kind in kinds:
+            out = args.out / kind if len(kinds) > 1 else args.out
+            run(argparse.Namespace(**{**vars(args), "kind": kind, "out": out}))
     except SystemExit as exit_:
         status["code"] = exit_.code
         raise
@@ -144,6 +148,7 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.crash_on_commit:
         original, calls = checkpoint_module.commit, []
 

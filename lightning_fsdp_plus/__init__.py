@@ -12,6 +12,7 @@ from lightning_fsdp_plus.plan import (
     ParamInfo,
     ShardingPlan,
     ShardingStrategy,
+    TiedGroup,
     build_sharding_plan,
 )
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
@@ -27,6 +28,7 @@ __all__ = [
     "ParamInfo",
     "ShardingPlan",
     "ShardingStrategy",
+    "TiedGroup",
     "build_sharding_plan",
     "clip_grad_norm_across_shards",
     "grad_norm_across_shards",

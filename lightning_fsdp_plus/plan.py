@@ -172,6 +172,23 @@ class FSDPUnit:
 
 
 @dataclass(frozen=True)
+class TiedGroup:
+    """Parameters that are one tensor under several names (tied weights) and the one unit that holds them.
+
+    FSDP2 shards a parameter in the unit that manages it and swaps it in that unit's modules only, so every module
+    using a tied tensor must sit in the same unit: the innermost unit holding all of them (at or above their lowest
+    common ancestor). Units the wrap policy chose below it, around one of the names, are not made units.
+    """
+
+    names: tuple[str, ...]
+    """Every name of the tensor (``named_parameters(remove_duplicate=False)`` order)."""
+    unit: str
+    """Path of the unit holding it (``""``: the root)."""
+    merged: tuple[str, ...] = ()
+    """Module paths the wrap policy chose that were left in ``unit`` because they would split the names."""
+
+
+@dataclass(frozen=True)
 class ShardingPlan:
     """Everything the strategy will do to the model, computed before anything is done."""
 
@@ -191,6 +208,8 @@ class ShardingPlan:
     """FSDP2's ``CPUOffloadPolicy`` for every unit (only ever true on an accelerator)."""
     forward_prefetch: bool = False
     """Explicit prefetch of the neighbouring unit in forward and backward."""
+    tied: tuple[TiedGroup, ...] = ()
+    """Tied parameters (one tensor, several names) and the unit each group was kept in."""
     auto_plan: Any = None
     """With ``sharding_strategy="auto"``: the :class:`~lightning_fsdp_plus.autoplan.AutoPlan` this plan was chosen by
     (every candidate, its predictions, the choice)."""
@@ -229,6 +248,7 @@ class ShardingPlan:
             "mixed_precision": {k: _dtype_name(getattr(self.mp_policy, k)) for k in _POLICY_FIELDS},
             "cpu_offload": self.cpu_offload,
             "forward_prefetch": self.forward_prefetch,
+            "tied": [{"names": list(t.names), "unit": t.unit or "<root>", "merged": list(t.merged)} for t in self.tied],
             "bytes_per_rank": self.bytes_per_rank,
             "auto_plan": None if self.auto_plan is None else self.auto_plan.to_dict(),
         }
@@ -270,6 +290,9 @@ class ShardingPlan:
         body = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
         if self.activation_checkpointing:
             body.append(f"activation checkpointing: {', '.join(self.activation_checkpointing)}")
+        for group in self.tied:
+            merged = f" ({', '.join(group.merged)}: not a unit, it would split them)" if group.merged else ""
+            body.append(f"tied weights: {' = '.join(group.names)} in unit {group.unit or '<root>'}{merged}")
         policy = ", ".join(f"{k} {_dtype_name(getattr(self.mp_policy, k))}" for k in _POLICY_FIELDS[:2])
         prefetch = "explicit" if self.forward_prefetch else "implicit"
         offload = "yes" if self.cpu_offload else "no"
@@ -311,12 +334,15 @@ def build_sharding_plan(
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
     forward_prefetch: bool = False,
+    keep_tied_together: bool = True,
 ) -> ShardingPlan:
     """Compute the plan: ``unit_paths`` (besides the root, which is always a unit) become FSDP units.
 
     A parameter belongs to the innermost unit whose subtree holds it, as with nested ``fully_shard`` calls.
     Parameters in ``ignored_params`` are replicated and listed separately. ``reshard_after_forward`` defaults
     to the strategy's rule; the policy, offload and prefetch settings travel with the plan to ``fully_shard``.
+    Tied parameters stay in one unit (:class:`TiedGroup`): unit paths that would split them are dropped, unless
+    ``keep_tied_together`` is false (describing units that exist already).
     """
     reshard = sharding_strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     paths = {p for p in unit_paths if p}
@@ -325,6 +351,7 @@ def build_sharding_plan(
     if unknown:
         raise ValueError(f"unit paths not found in the model: {unknown}")
     ignored_ids = {id(p) for p in ignored_params}
+    paths, tied = keep_tied_in_one_unit(model, paths, ignored_ids=ignored_ids, merge=keep_tied_together)
     owner: dict[str, list[ParamInfo]] = {path: [] for path in [*paths, ""]}
     replicated: list[ParamInfo] = []
     for name, param in model.named_parameters():
@@ -365,7 +392,63 @@ def build_sharding_plan(
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         cpu_offload=cpu_offload,
         forward_prefetch=forward_prefetch,
+        tied=tied,
     )
+
+
+def tied_parameters(model: nn.Module) -> list[tuple[nn.Parameter, tuple[str, ...]]]:
+    """Every parameter known under more than one name, with its names."""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    return [(params[key], tuple(group)) for key, group in names.items() if len(group) > 1]
+
+
+def keep_tied_in_one_unit(
+    model: nn.Module, paths: set[str], *, ignored_ids: Collection[int] = (), merge: bool = True
+) -> tuple[set[str], tuple[TiedGroup, ...]]:
+    """``paths`` without the units that would split a tied parameter's names (when ``merge``), and the groups.
+
+    A unit path below the names' lowest common ancestor that holds one of them is dropped: its parameters then
+    belong to the unit above, where every module using the tensor is. Replicated (ignored) parameters are not
+    sharded by FSDP and need nothing.
+    """
+    found = [(param, names) for param, names in tied_parameters(model) if id(param) not in ignored_ids]
+    merged: list[tuple[str, ...]] = []
+    for _, names in found:
+        owners = [name.rpartition(".")[0] for name in names]
+        ancestor = _common_ancestor(owners)
+        split = sorted(p for p in paths if _strictly_below(p, ancestor) and any(_within(o, p) for o in owners))
+        if merge:
+            paths = paths - set(split)
+        merged.append(tuple(split) if merge else ())
+    groups = tuple(
+        TiedGroup(names=names, unit=_innermost_unit(names[0], paths), merged=split)
+        for (_, names), split in zip(found, merged, strict=True)
+    )
+    return paths, groups
+
+
+def _common_ancestor(paths: Sequence[str]) -> str:
+    """The deepest module path that every one of ``paths`` is at or below (``""``: the root)."""
+    parts = [p.split(".") if p else [] for p in paths]
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _within(path: str, ancestor: str) -> bool:
+    """Whether module ``path`` is ``ancestor`` or inside it."""
+    return not ancestor or path == ancestor or path.startswith(ancestor + ".")
+
+
+def _strictly_below(path: str, ancestor: str) -> bool:
+    return path != ancestor and _within(path, ancestor)
 
 
 def _innermost_unit(param_name: str, unit_paths: Collection[str]) -> str:

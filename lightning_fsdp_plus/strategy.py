@@ -382,6 +382,7 @@ class FSDPPlusStrategy(ParallelStrategy):
                     unit_paths=[n for n, m in self.model.named_modules() if n and isinstance(m, FSDPModule)],
                     sharding_strategy=self.options.sharding_strategy,
                     mesh=self.mesh_layout,
+                    keep_tied_together=False,  # describes the units the user made
                 )
             materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn,
                               report=rank_zero_info)  # fmt: skip

@@ -13,7 +13,7 @@ from lightning_fsdp_plus.plan import (
     resolve_mesh_layout,
     sharded_bytes,
 )
-from tests.helpers.models import make_model, tiny_llama
+from tests.helpers.models import make_model, tiny_bert_mlm, tiny_llama
 
 
 @pytest.mark.parametrize("name", ["full_shard", "FULL_SHARD", "Full_Shard"])
@@ -132,3 +132,55 @@ def test_unknown_unit_path_is_rejected():
             make_model(layers=1), unit_paths=["blocks.9"], sharding_strategy=ShardingStrategy.FULL_SHARD,
             mesh=MeshLayout(1, 2),
         )  # fmt: skip
+
+
+def _plan(model, policy):
+    from lightning_fsdp_plus.policies import select_unit_paths
+
+    paths = select_unit_paths(model, policy)
+    return paths, build_sharding_plan(model, unit_paths=paths, sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                      mesh=MeshLayout(1, 2))  # fmt: skip
+
+
+def test_bert_mlm_keeps_its_tied_decoder_and_word_embeddings_in_one_unit():
+    model = tiny_bert_mlm()
+    paths, plan = _plan(model, "auto")
+    assert "bert.embeddings" in paths  # _no_split_modules names BertEmbeddings, whose weight the decoder shares
+    assert [u.path for u in plan.units] == ["bert.encoder.layer.0", "bert.encoder.layer.1", ""]
+    embeddings, bias = plan.tied
+    assert embeddings.names == ("bert.embeddings.word_embeddings.weight", "cls.predictions.decoder.weight")
+    assert (embeddings.unit, embeddings.merged) == ("", ("bert.embeddings",))
+    assert (bias.names, bias.unit, bias.merged) == (("cls.predictions.bias", "cls.predictions.decoder.bias"), "", ())
+    root = {p.name for p in plan.unit("").params}
+    assert {n for n, _ in model.bert.embeddings.named_parameters(prefix="bert.embeddings")} <= root
+    assert sum(u.num_params for u in plan.units) == sum(p.numel() for p in model.parameters())  # each tensor once
+    assert ("tied weights: bert.embeddings.word_embeddings.weight = cls.predictions.decoder.weight in unit <root>"
+            " (bert.embeddings: not a unit, it would split them)") in plan.format_table()  # fmt: skip
+    assert plan.to_dict()["tied"][0] == {
+        "names": list(embeddings.names),
+        "unit": "<root>",
+        "merged": ["bert.embeddings"],
+    }
+
+
+def test_a_tied_llama_head_stays_with_its_embedding_whatever_the_policy_chooses():
+    model = tiny_llama(tied=True)
+    _, auto = _plan(model, "auto")  # decoder layers only: the embedding and the head are both in the root already
+    assert [(t.names, t.unit, t.merged) for t in auto.tied] == [
+        (("model.embed_tokens.weight", "lm_head.weight"), "", ())
+    ]
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    paths, plan = _plan(model, {nn.Embedding, LlamaDecoderLayer})
+    assert "model.embed_tokens" in paths and "model.embed_tokens" not in [u.path for u in plan.units]
+    assert plan.tied[0].merged == ("model.embed_tokens",)
+    _, untied = _plan(tiny_llama(), {nn.Embedding, LlamaDecoderLayer})
+    assert "model.embed_tokens" in [u.path for u in untied.units] and not untied.tied  # nothing to keep together
+
+
+def test_units_that_exist_already_are_described_as_they_are():
+    model = tiny_llama(tied=True)
+    plan = build_sharding_plan(model, unit_paths=["model.embed_tokens"], sharding_strategy=ShardingStrategy.FULL_SHARD,
+                               mesh=MeshLayout(1, 2), keep_tied_together=False)  # fmt: skip
+    assert [u.path for u in plan.units] == ["model.embed_tokens", ""]
+    assert (plan.tied[0].unit, plan.tied[0].merged) == ("model.embed_tokens", ())

@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import DIST_CASES, load_case
 from tests.helpers.launch import run_script
-from tests.helpers.models import train_reference
+from tests.helpers.models import train_reference, train_tied_reference
 
 
 def max_param_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -133,6 +133,26 @@ def test_llama_plan_autodetects_decoder_layers_and_trains(strategy_runs):
         1 for line in output.splitlines() if line.startswith("Sharding plan: FULL_SHARD")
     )
     assert all(math.isfinite(x) for x in result.rank0["losses"])
+
+
+@pytest.mark.parametrize(("case", "kind", "merged"), [("bert_mlm_tied", "bert", ["model.bert.embeddings"]),
+                                                       ("llama_tied", "llama", [])])  # fmt: skip
+def test_tied_weights_train_under_the_auto_policy_and_match_single_process(strategy_runs, case, kind, merged):
+    """BERT's decoder is tied to the word embeddings of BertEmbeddings, a unit "auto" picks: the plan keeps them in
+    the root (FSDP2 refused the split at fit); a tied Llama needs nothing dropped. Both equal one process."""
+    from tests.helpers.dist_cases import STEPS, TIED_LR
+
+    out, output = strategy_runs
+    result = load_case(out, case)
+    losses, params = train_tied_reference(kind, steps=STEPS, lr=TIED_LR)
+    assert max_loss_diff(result.rank0["losses"], losses) < 1e-5 and losses[-1] < losses[0]
+    assert max_param_diff({k: result.state[f"model.{k}"] for k in params}, params) < 1e-5
+    plan = result.rank0["plan"]
+    [group] = [t for t in plan["tied"] if t["names"][0].endswith(("word_embeddings.weight", "embed_tokens.weight"))]
+    assert group["unit"] == "<root>" and group["merged"] == merged
+    assert not set(merged) & {u["path"] for u in plan["units"]}
+    if merged:
+        assert f"({merged[0]}: not a unit, it would split them)" in output  # the printed plan says so
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])

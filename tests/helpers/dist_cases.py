@@ -41,6 +41,7 @@ from tests.helpers.models import (
     TokenDataset,
     lora_llama,
     sgd_causal_lm,
+    tied_model,
     tiny_llama,
 )
 from tests.helpers.threads import gloo_threads
@@ -83,6 +84,10 @@ CASES: dict[str, dict] = {
     },
     "fp16_mixed_inf": {"strategy": {}, "plugins": "16-mixed", "inject_inf_at": 2},
     "llama_auto": {"strategy": {}, "llama": True, "trainer": {"use_distributed_sampler": True}},
+    # tied weights under auto_wrap_policy="auto": BERT's decoder shares BertEmbeddings' weight (a _no_split_module),
+    # a tied Llama's head its embedding; SGD on a fixed batch, compared with one process
+    "bert_mlm_tied": {"strategy": {}, "tied": "bert"},
+    "llama_tied": {"strategy": {}, "tied": "llama"},
     # LoRA on a Llama, 20 SGD steps on a fixed batch. Replicated: the module applies PEFT itself;
     # sharded: the strategy applies LoRA from its config. bf16: the replicated bf16 base to compare bytes with.
     "lora_int8_replicated": {"strategy": {"lora_only": True, "quantize_base": "int8"}, "lora": "module"},
@@ -110,6 +115,7 @@ CASES: dict[str, dict] = {
     },
 }
 LORA_STEPS, LORA_LR = 20, 0.5
+TIED_LR = 0.1
 
 
 class Recorder(Callback):
@@ -258,6 +264,10 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         data = FixedBatches(steps=LORA_STEPS)
         loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))
         trainer.fit(sgd_causal_lm(base, lr=LORA_LR), loader)
+    elif "tied" in spec:
+        data = FixedBatches(steps=STEPS)
+        loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))
+        trainer.fit(sgd_causal_lm(tied_model(spec["tied"]), lr=TIED_LR), loader)
     elif spec.get("llama"):
         loader = DataLoader(TokenDataset(), batch_size=4)
         trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader)

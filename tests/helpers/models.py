@@ -173,8 +173,8 @@ def sgd_causal_lm(model: nn.Module, *, lr: float):
     return SGDCausalLM(model, lr=lr)
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = DIM, intermediate: int = 64):
-    """A transformers Llama built from a tiny config (no download)."""
+def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = DIM, intermediate: int = 64, tied: bool = False):
+    """A transformers Llama built from a tiny config (no download); ``tied``: the LM head is the embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -185,9 +185,22 @@ def tiny_llama(seed: int = 0, layers: int = 2, hidden: int = DIM, intermediate: 
         num_attention_heads=HEADS,
         num_key_value_heads=2,
         max_position_embeddings=64,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(config)
+
+
+def tiny_bert_mlm(seed: int = 0, layers: int = 2):
+    """A transformers ``BertForMaskedLM`` from a tiny config: its decoder is tied to the word embeddings, which sit
+    in ``BertEmbeddings`` (one of its ``_no_split_modules``). No dropout, so sharded and single runs compare."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=layers, num_attention_heads=HEADS,
+                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return BertForMaskedLM(config)
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -262,6 +275,16 @@ def _train_on_global_batch(model, *, steps: int, lr: float, world_size: int, bat
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def tied_model(kind: str) -> nn.Module:
+    """The models of the tied-weight cases: ``bert`` (masked LM) or ``llama`` (tied head)."""
+    return tiny_bert_mlm(0) if kind == "bert" else tiny_llama(0, tied=True)
+
+
+def train_tied_reference(kind: str, *, steps: int, lr: float, world_size: int = 2, batch_size: int = 4):
+    """Single process, SGD+momentum on the global batch of ``FixedBatches``: losses and every parameter after."""
+    return _train_on_global_batch(tied_model(kind), steps=steps, lr=lr, world_size=world_size, batch_size=batch_size)
 
 
 def train_lora_4bit_reference(*, steps: int, lr: float, quant_type: str = "nf4", world_size: int = 2,

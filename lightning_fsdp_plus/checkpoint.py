@@ -54,13 +54,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded (missing, truncated or corrupted file), with the file named."""
 
 
-def state_dict_options(*, full: bool, trainable_only: bool) -> Any:
-    """torch's StateDictOptions for our two formats (full ones gathered one tensor at a time onto CPU)."""
+def state_dict_options(*, full: bool, trainable_only: bool, strict: bool = True) -> Any:
+    """torch's StateDictOptions for our two formats (full ones gathered one tensor at a time onto CPU); ``strict``:
+    every parameter of the model must be in the checkpoint (``LightningModule.strict_loading``)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # loading a trainable-only checkpoint leaves the frozen parameters as the model built them
     return StateDictOptions(full_state_dict=full, cpu_offload=full, ignore_frozen_params=trainable_only,
-                            strict=not trainable_only)  # fmt: skip
+                            strict=strict and not trainable_only)  # fmt: skip
 
 
 def _sha256(path: Path) -> str:
@@ -223,26 +224,33 @@ def load_sharded(
     *,
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Load model and optimizer shards (resharding as needed) and this rank's RNG; returns the metadata.
 
-    Whether frozen parameters are in the checkpoint is read from its own metadata.
+    Whether frozen parameters are in the checkpoint is read from its own metadata. ``strict=False``
+    (``LightningModule.strict_loading``): the model's keys the checkpoint lacks keep their values.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     path = Path(path)
     verify(path)
     metadata = _load_meta(path)
     trainable_only = metadata.get("fsdp_plus", {}).get("trainable_only", False)
-    options = state_dict_options(full=False, trainable_only=trainable_only)
+    options = state_dict_options(full=False, trainable_only=trainable_only, strict=strict)
     model_state, optim_states = get_state_dict(model, list(optimizers), options=options)
     optim_list = optim_states if isinstance(optim_states, list) else [optim_states] if optimizers else []
     state = {"state_dict": model_state, **{f"optimizer_{i}": s for i, s in enumerate(optim_list)}}
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as err:  # DCP names keys, not files: give both
-        raise CheckpointError(f"checkpoint {path}: could not be read into this model: {err}") from err
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=not strict))
+    except (Exception, CheckpointException) as err:  # DCP's own error is a BaseException, with every rank's trace
+        reason = str(err).strip().splitlines()[-1]  # DCP names keys, not files: give both
+        hint = " (LightningModule.strict_loading = False keeps the values of keys a checkpoint lacks)"
+        raise CheckpointError(f"checkpoint {path}: could not be read into this model: {reason}"
+                              f"{hint if 'Missing key' in reason else ''}") from err  # fmt: skip
     for optimizer, optim_state in zip(optimizers, optim_list, strict=True):
         set_state_dict(model, [optimizer], model_state_dict=state["state_dict"], optim_state_dict=optim_state,
                        options=options)  # fmt: skip

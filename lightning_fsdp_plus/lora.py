@@ -7,6 +7,7 @@ sharded model, so ``peft.PeftModel.from_pretrained`` loads it onto a plain base 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,7 +35,6 @@ def make_lora_config(lora: Any, *, key: str = "lora") -> Any:
         raise ValueError(f"{key}={lora!r} must be a peft.LoraConfig or a mapping of LoraConfig fields")
     fields = {_ALIASES.get(k, k): (list(v) if k == "target_modules" and not isinstance(v, str) else v)
               for k, v in lora.items()}  # fmt: skip
-    fields.setdefault("task_type", "CAUSAL_LM")
     _check_lora_numbers(fields, key=key)
     try:
         return LoraConfig(**fields)
@@ -117,6 +117,14 @@ def _lora_host(module: nn.Module) -> tuple[str, nn.Module]:
     raise ValueError(f"lora: {type(module).__name__} has no submodule to adapt")
 
 
+def with_task_type(config: Any, model: nn.Module) -> Any:
+    """``config`` with PEFT's ``task_type`` set for ``model`` when it has none: ``CAUSAL_LM`` for a model that
+    generates (``PeftModelForCausalLM``), none for others (a masked LM, an encoder: the plain ``PeftModel``)."""
+    if config.task_type is not None or not callable(getattr(model, "prepare_inputs_for_generation", None)):
+        return config
+    return dataclasses.replace(config, task_type="CAUSAL_LM")
+
+
 def apply_lora(module: nn.Module, lora: Any) -> str:
     """Wrap the model inside ``module`` with ``peft.get_peft_model`` in place; returns the wrapped path.
 
@@ -128,8 +136,8 @@ def apply_lora(module: nn.Module, lora: Any) -> str:
     existing = find_peft_model(module)
     if existing is not None:
         return existing[0]
-    config = make_lora_config(lora)
     path, host = _lora_host(module)
+    config = with_task_type(make_lora_config(lora), host)
     check_target_modules(host, config)
     with adapters_stay_real():
         module.set_submodule(path, get_peft_model(host, config))

@@ -92,9 +92,10 @@ class FSDPPlusOptions:
     quantize_base: str | None = None
     """``"int8"``: every frozen linear layer outside LoRA adapters and ``quantize_skip`` becomes an LLM.int8
     ``Int8Linear``; ``"nf4"`` / ``"fp4"``: a 4-bit ``FourBitLinear`` (QLoRA; bitsandbytes kernels, packed 4-bit
-    sharded by rows); ``None`` keeps the base as it is."""
+    sharded by rows); ``None`` keeps the base as it is. The output head (``get_output_embeddings``) and weights tied
+    to another module's stay in float; the plan lists what stayed float and why."""
     quantize_skip: tuple[str, ...] = ("lm_head",)
-    """Module names or ``fnmatch`` path patterns left unquantized."""
+    """Module names or ``fnmatch`` path patterns left unquantized (besides the output head and tied weights)."""
     int8_threshold: float = 6.0
     """LLM.int8 outlier threshold for newly quantized layers (bitsandbytes' ``threshold``; 0 disables it)."""
     quantize_blocksize: int = 64

@@ -36,6 +36,7 @@ from lightning_fsdp_plus.quantization import (
     four_bit_candidates,
     frozen_layer_types,
     int8_candidates,
+    kept_float,
 )
 from lightning_fsdp_plus.sharding import apply_sharding_plan
 
@@ -110,7 +111,27 @@ def plan_model(
         mp_policy=mixed_precision_policy(precision=precision, mapping=options.mixed_precision),
         cpu_offload=options.cpu_offload and device_type != "cpu",  # on CPU the parameters already live there
         forward_prefetch=options.forward_prefetch,
+        float_layers=kept_float(model, skip=options.quantize_skip).items() if options.quantize_base else (),
     )
+
+
+def batch_norms(model: nn.Module) -> list[str]:
+    """Paths of the BatchNorm layers ``Trainer(sync_batchnorm=True)`` converts (not SyncBatchNorm already)."""
+    norm = nn.modules.batchnorm._BatchNorm
+    return [p for p, m in model.named_modules() if isinstance(m, norm) and not isinstance(m, nn.SyncBatchNorm)]
+
+
+def sync_batch_norm(model: nn.Module, *, layer_sync: Any, device: torch.device) -> nn.Module:
+    """``Trainer(sync_batchnorm=True)``: BatchNorm layers become ``SyncBatchNorm`` (Lightning's ``layer_sync``),
+    before sharding as Lightning's ``FSDPStrategy`` does. torch's SyncBatchNorm runs on accelerators only: on CPU
+    a model with BatchNorm layers is refused here, before any step, instead of failing in its first forward."""
+    norms = batch_norms(model)
+    if norms and device.type == "cpu":
+        raise ValueError(
+            f"Trainer(sync_batchnorm=True) on CPU: torch's SyncBatchNorm runs on GPU/XPU only ({norms[0]} is a"
+            " BatchNorm). Drop sync_batchnorm on CPU (each rank then normalizes over its own batch)"
+        )
+    return layer_sync.apply(model) if norms else model
 
 
 def sync_module_states(model: nn.Module, *, device: torch.device) -> None:

@@ -210,6 +210,9 @@ class ShardingPlan:
     """Explicit prefetch of the neighbouring unit in forward and backward."""
     tied: tuple[TiedGroup, ...] = ()
     """Tied parameters (one tensor, several names) and the unit each group was kept in."""
+    float_layers: tuple[tuple[str, str], ...] = ()
+    """With ``quantize_base``: ``(path, why)`` of every frozen linear layer left in float (an output head, a tied
+    weight, a ``quantize_skip`` match, a ``nn.Linear`` subclass with its own forward)."""
     auto_plan: Any = None
     """With ``sharding_strategy="auto"``: the :class:`~lightning_fsdp_plus.autoplan.AutoPlan` this plan was chosen by
     (every candidate, its predictions, the choice)."""
@@ -249,6 +252,7 @@ class ShardingPlan:
             "cpu_offload": self.cpu_offload,
             "forward_prefetch": self.forward_prefetch,
             "tied": [{"names": list(t.names), "unit": t.unit or "<root>", "merged": list(t.merged)} for t in self.tied],
+            "float_layers": dict(self.float_layers),
             "bytes_per_rank": self.bytes_per_rank,
             "auto_plan": None if self.auto_plan is None else self.auto_plan.to_dict(),
         }
@@ -293,6 +297,9 @@ class ShardingPlan:
         for group in self.tied:
             merged = f" ({', '.join(group.merged)}: not a unit, it would split them)" if group.merged else ""
             body.append(f"tied weights: {' = '.join(group.names)} in unit {group.unit or '<root>'}{merged}")
+        if self.float_layers:
+            kept = "; ".join(f"{path} ({why})" for path, why in self.float_layers)
+            body.append(f"not quantized (frozen, kept in float): {kept}")
         policy = ", ".join(f"{k} {_dtype_name(getattr(self.mp_policy, k))}" for k in _POLICY_FIELDS[:2])
         prefetch = "explicit" if self.forward_prefetch else "implicit"
         offload = "yes" if self.cpu_offload else "no"
@@ -335,6 +342,7 @@ def build_sharding_plan(
     cpu_offload: bool = False,
     forward_prefetch: bool = False,
     keep_tied_together: bool = True,
+    float_layers: Iterable[tuple[str, str]] = (),
 ) -> ShardingPlan:
     """Compute the plan: ``unit_paths`` (besides the root, which is always a unit) become FSDP units.
 
@@ -342,7 +350,8 @@ def build_sharding_plan(
     Parameters in ``ignored_params`` are replicated and listed separately. ``reshard_after_forward`` defaults
     to the strategy's rule; the policy, offload and prefetch settings travel with the plan to ``fully_shard``.
     Tied parameters stay in one unit (:class:`TiedGroup`): unit paths that would split them are dropped, unless
-    ``keep_tied_together`` is false (describing units that exist already).
+    ``keep_tied_together`` is false (describing units that exist already). ``float_layers`` (the frozen linear
+    layers quantization left in float, with why) are recorded and printed.
     """
     reshard = sharding_strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
     paths = {p for p in unit_paths if p}
@@ -393,6 +402,7 @@ def build_sharding_plan(
         cpu_offload=cpu_offload,
         forward_prefetch=forward_prefetch,
         tied=tied,
+        float_layers=tuple(float_layers),
     )
 
 

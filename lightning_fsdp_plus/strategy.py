@@ -46,7 +46,14 @@ from lightning_fsdp_plus.checkpoint import (
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import find_peft_model
 from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring
-from lightning_fsdp_plus.pipeline import build_sharded_model, materialize_model, plan_model, prepare_model
+from lightning_fsdp_plus.pipeline import (
+    batch_norms,
+    build_sharded_model,
+    materialize_model,
+    plan_model,
+    prepare_model,
+    sync_batch_norm,
+)
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, check_precision
 from lightning_fsdp_plus.preemption import (
@@ -373,10 +380,12 @@ class FSDPPlusStrategy(ParallelStrategy):
                     "sharding_strategy='auto' chooses how to shard, but configure_model already called fully_shard:"
                     " remove those calls or pin a sharding_strategy"
                 )
-            if self._sharding_plan is None:  # not ours: the user called fully_shard in configure_model
+            user_sharded = self._sharding_plan is None  # not ours: the user called fully_shard in configure_model
+            if user_sharded:
                 rank_zero_info(
                     "fsdp_plus: the model is already sharded (fully_shard in configure_model); using it as is."
                 )
+                self._check_layer_sync_before_user_sharding()
                 self._sharding_plan = build_sharding_plan(
                     self.model,
                     unit_paths=[n for n, m in self.model.named_modules() if n and isinstance(m, FSDPModule)],
@@ -386,9 +395,13 @@ class FSDPPlusStrategy(ParallelStrategy):
                 )
             materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn,
                               report=rank_zero_info)  # fmt: skip
+            if user_sharded:  # as ModelParallelStrategy does: "-true" precisions store the parameters in their dtype
+                self.model = self.precision_plugin.convert_module(self.model)
         else:
             if self.options.auto:
                 self._resolve_auto()
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:  # Trainer(sync_batchnorm=True)
+                self.model = sync_batch_norm(self.model, layer_sync=self._layer_sync, device=self.root_device)
             self.model, self._sharding_plan = build_sharded_model(
                 self.model,
                 self.options,
@@ -409,6 +422,17 @@ class FSDPPlusStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not offloaded:
             _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _check_layer_sync_before_user_sharding(self) -> None:
+        """``sync_batchnorm=True`` cannot convert layers the user sharded already: FSDP2 keeps the old modules."""
+        assert self.model is not None
+        norms = batch_norms(self.model)
+        if self._layer_sync and norms:
+            raise ValueError(
+                f"Trainer(sync_batchnorm=True) with a model sharded in configure_model: {norms[0]} is a BatchNorm"
+                " that fully_shard already manages, so it cannot be swapped for SyncBatchNorm. Convert before"
+                " fully_shard (torch.nn.SyncBatchNorm.convert_sync_batchnorm(module)) or let fsdp_plus shard"
+            )
 
     # ------------------------------------------------------------------ checkpoints (see checkpoint.py)
     @property
@@ -531,7 +555,8 @@ class FSDPPlusStrategy(ParallelStrategy):
         if is_sharded_checkpoint(path):
             if optimizers:
                 check_optimizer_count(configured=len(optimizers), saved=saved_optimizer_count(path))
-            return load_sharded(path, model=self.model, optimizers=optimizers)
+            return load_sharded(path, model=self.model, optimizers=optimizers,
+                                strict=self.lightning_module.strict_loading)  # fmt: skip
         checkpoint = load_full(path)
         trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
         strict = self.lightning_module.strict_loading and not trainable_only

@@ -207,6 +207,36 @@ def check_autoplan() -> None:
           f" MiB/rank, step {metrics['step_time_s_median'] * 1000:.1f} ms")  # fmt: skip
 
 
+def check_sync_batchnorm() -> None:
+    """``Trainer(sync_batchnorm=True)`` on one GPU: BatchNorm becomes SyncBatchNorm before sharding and trains (on CPU
+    fsdp_plus refuses it: torch's SyncBatchNorm runs on accelerators only)."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_fsdp_plus import FSDPPlusStrategy
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    net = Net()
+    data = DataLoader(TensorDataset(torch.randn(32, 8), torch.randn(32, 1)), batch_size=4)
+    trainer = Trainer(accelerator="gpu", devices=1, strategy=FSDPPlusStrategy(), sync_batchnorm=True, max_steps=3,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    trainer.fit(net, data)
+    assert isinstance(net.net[1], nn.SyncBatchNorm), type(net.net[1])
+    assert int(net.net[1].num_batches_tracked) == 3
+    print("ok: sync_batchnorm on GPU: BatchNorm1d became SyncBatchNorm before sharding, 3 steps trained")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
@@ -222,6 +252,7 @@ def main() -> None:
     check_training_run(args.steps)
     check_preemption()
     check_autoplan()
+    check_sync_batchnorm()
 
 
 if __name__ == "__main__":

@@ -134,3 +134,15 @@ def test_lightnings_sharded_layout_needs_no_manifest_but_ours_does(tmp_path):
     loaded = nn.Linear(2, 2)
     assert load_sharded(ours, model=loaded, optimizers=[])["epoch"] == 1
     assert torch.equal(loaded.weight, torch.ones(2, 2))
+
+
+def test_sharded_loading_honours_strict_loading(tmp_path):
+    """``LightningModule.strict_loading = False``: a model with keys the checkpoint lacks loads what is there."""
+    path, _ = _sharded(tmp_path / "ckpt", 3.0)
+    grown = nn.Linear(2, 2)
+    grown.register_parameter("extra", nn.Parameter(torch.full((2,), 7.0)))
+    with pytest.raises(CheckpointError, match=r"into this model: RuntimeError: Missing key in checkpoint state_dict: "
+                       r"state_dict\.extra\. \(LightningModule\.strict_loading = False keeps"):  # fmt: skip
+        load_sharded(path, model=grown, optimizers=[])
+    load_sharded(path, model=grown, optimizers=[], strict=False)
+    assert torch.equal(grown.weight, torch.full((2, 2), 3.0)) and torch.equal(grown.extra, torch.full((2,), 7.0))

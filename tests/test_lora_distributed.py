@@ -54,6 +54,31 @@ def test_lora_int8_trains_and_matches_single_process(strategy_runs, lora_referen
     assert {"torch.int8", "torch.int32"} <= set(result.rank0["frozen_dtypes"])
 
 
+FLOAT_HEADS = {  # the frozen linear layer each architecture keeps in float, and why
+    "falcon": ("model.base_model.model.lm_head", "quantize_skip"),  # tied to the word embeddings too
+    "bert": ("model.base_model.model.cls.predictions.decoder", "output embeddings (get_output_embeddings)"),
+}
+
+
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+@pytest.mark.parametrize("arch", ["falcon", "bert"])
+def test_lora_int8_on_falcon_linear_and_bert_masked_lm_matches_single_process(strategy_runs, arch, mode):
+    """FalconLinear (an nn.Linear subclass) is quantized; BERT's decoder, tied to the word embeddings and the
+    output head, stays float (quantizing it broke the tie); both modes equal one process."""
+    result = load_case(strategy_runs[0], f"lora_int8_{mode}_{arch}")
+    losses, lora = train_lora_int8_reference(steps=20, lr=0.5, arch=arch)
+    assert all(rank["frozen_with_grad"] == 0 for rank in result.ranks) and losses[-1] < 0.95 * losses[0]  # it learns
+    assert max(abs(a - b) for a, b in zip(result.rank0["losses"], losses, strict=True)) < 1e-5
+    assert max((result.state[f"model.{k}"] - v).abs().max().item() for k, v in lora.items()) < 1e-5
+    plan = result.rank0["plan"]
+    assert "torch.int8" in result.rank0["frozen_dtypes"] and result.rank0["base_linear_bytes"] > 0
+    head, why = FLOAT_HEADS[arch]
+    assert plan["float_layers"][head] == why
+    if arch == "bert":  # still tied: the decoder's weight is the embeddings' (a float tensor, not an int8 copy)
+        embeddings = result.state["model.base_model.model.bert.embeddings.word_embeddings.weight"]
+        assert torch.equal(result.state[head + ".weight"], embeddings)
+
+
 def test_replicated_base_is_kept_out_of_fsdp_and_sharded_base_is_not(strategy_runs):
     out = strategy_runs[0]
     replicated = load_case(out, "lora_int8_replicated").rank0["plan"]

@@ -9,6 +9,7 @@ import pytest
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy, StrategyRegistry
+from torch import nn
 
 import lightning_fsdp_plus
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy, ShardingStrategy
@@ -135,7 +136,8 @@ def auto(**kwargs) -> FSDPPlusStrategy:
         (lambda: FSDPPlusStrategy(lora_only=True), lambda: CausalLMModule(tiny_llama(0).requires_grad_(False)),
          "lora_only=True shards the trainable .* but the model has none"),
         (lambda: FSDPPlusStrategy(quantize_base="int8"), lambda: TinyLM(),
-         r"quantize_base='int8' found no frozen layer it converts \(nn.Linear, transformers Conv1D, bitsandbytes "
+         r"quantize_base='int8' found no frozen layer it converts \(nn.Linear \(and subclasses with its forward\),"
+         r" transformers Conv1D, bitsandbytes "
          r"Linear8bitLt / Linear4bit\) outside LoRA adapters and quantize_skip=\['lm_head'\]; layer types with "
          r"frozen weights here: none \(nothing is frozen\)"),
         (lambda: FSDPPlusStrategy(lora={"r": 4}, quantize_base="nf4"), lambda: CausalLMModule(tiny_llama(0)),
@@ -169,3 +171,14 @@ def test_auto_plan_memory_is_predicted_in_fit_before_the_launch(monkeypatch):
     assert plan is not None and plan.world_size == 2 and plan.chosen is None and plan.fitting
     assert len(plan.predictions) == 10 and plan.budget == 2**30  # 3 layouts, lora_only on 2 of them, checkpointing
     assert repr(strategy) == "FSDPPlusStrategy(sharding_strategy=auto)"
+
+
+def test_sync_batchnorm_with_a_model_the_user_sharded_is_refused_with_the_fix():
+    from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+
+    strategy = FSDPPlusStrategy()
+    strategy._layer_sync = TorchSyncBatchNorm()  # what Trainer(sync_batchnorm=True) sets
+    strategy.model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match=r"sharded in configure_model: 1 is a BatchNorm that fully_shard already"
+                       r" manages.*convert_sync_batchnorm"):  # fmt: skip
+        strategy._check_layer_sync_before_user_sharding()

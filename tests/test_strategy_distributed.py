@@ -155,6 +155,17 @@ def test_tied_weights_train_under_the_auto_policy_and_match_single_process(strat
         assert f"({merged[0]}: not a unit, it would split them)" in output  # the printed plan says so
 
 
+def test_a_model_sharded_in_configure_model_takes_the_true_precision_like_an_auto_sharded_one(strategy_runs):
+    """bf16-true on a model the user shards in configure_model: parameters stored in bf16 (it crashed with "mat1
+    and mat2 must have the same dtype"), and the run equals the one fsdp_plus shards with the same units."""
+    out, _ = strategy_runs
+    user, auto = load_case(out, "user_sharded_bf16_true"), load_case(out, "bf16_true")
+    assert user.rank0["param_dtypes"] == auto.rank0["param_dtypes"] == ["torch.bfloat16"]
+    assert [u["path"] for u in user.rank0["plan"]["units"]] == [u["path"] for u in auto.rank0["plan"]["units"]]
+    assert user.rank0["losses"] == auto.rank0["losses"]
+    assert max_param_diff(user.state, auto.state) == 0.0
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
 def test_other_launchers_give_the_same_result(tmp_path, reference, launcher):
     args = ["--out", str(tmp_path), "--cases", "full_shard_sgd"]

@@ -18,6 +18,7 @@ from lightning_fsdp_plus.quantization.int8 import (
     quantize_rows,
     require_bitsandbytes,
 )
+from lightning_fsdp_plus.quantization.select import PLAIN_LINEAR_SUBCLASSES, kept_float
 
 QUANTIZE_CHOICES = ("int8", *FOUR_BIT_TYPES)
 """Values ``quantize_base`` accepts (besides ``None``)."""
@@ -25,6 +26,7 @@ QUANTIZE_CHOICES = ("int8", *FOUR_BIT_TYPES)
 __all__ = [
     "BLOCKSIZES",
     "FOUR_BIT_TYPES",
+    "PLAIN_LINEAR_SUBCLASSES",
     "QUANTIZABLE",
     "QUANTIZE_CHOICES",
     "FourBitLinear",
@@ -37,6 +39,7 @@ __all__ = [
     "four_bit_candidates",
     "frozen_layer_types",
     "int8_candidates",
+    "kept_float",
     "quantize_rows",
     "require_bitsandbytes",
 ]

@@ -190,16 +190,19 @@ def _is_bnb_int8(module: nn.Module) -> bool:
     return is_bnb_layer(module, "Linear8bitLt")
 
 
-QUANTIZABLE = ("nn.Linear", "transformers Conv1D", "bitsandbytes Linear8bitLt / Linear4bit")
+QUANTIZABLE = ("nn.Linear (and subclasses with its forward)", "transformers Conv1D",
+               "bitsandbytes Linear8bitLt / Linear4bit")  # fmt: skip
 """The layer types ``quantize_base`` converts (float ones when frozen; bitsandbytes ones of the same kind)."""
 
 
 def int8_candidates(model: nn.Module, *, skip: Sequence[str] = ("lm_head",)) -> list[str]:
     """Paths ``convert_to_int8`` would convert.
 
-    Every ``nn.Linear`` and transformers ``Conv1D`` whose parameters are all frozen, and every bitsandbytes
-    ``Linear8bitLt``, unless it is a LoRA adapter (``lora_`` in its path) or its path or name matches a ``skip``
-    pattern (``fnmatch``, e.g. ``"lm_head"``, ``"*.mlp.down_proj"``).
+    Every ``nn.Linear`` (and subclass computing the same map, e.g. Falcon's ``FalconLinear``) and transformers
+    ``Conv1D`` whose parameters are all frozen, and every bitsandbytes ``Linear8bitLt``, unless it is a LoRA adapter
+    (``lora_`` in its path), its path or name matches a ``skip`` pattern (``fnmatch``, e.g. ``"lm_head"``,
+    ``"*.mlp.down_proj"``), it is the model's output head (``get_output_embeddings``) or its weight is tied to
+    another module's (:func:`~lightning_fsdp_plus.quantization.select.kept_float` says which and why).
     """
     return layer_candidates(model, skip=skip, prequantized=_is_bnb_int8)
 

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
+from lightning_fsdp_plus.plan import tied_parameters
+
 
 def skipped(path: str, skip: Sequence[str]) -> bool:
     """True when the module path or its last name matches a ``quantize_skip`` pattern (``fnmatch``)."""
@@ -30,14 +32,80 @@ def is_bnb_layer(module: nn.Module, class_name: str) -> bool:
     return isinstance(module, getattr(bnb_nn, class_name))
 
 
+PLAIN_LINEAR_SUBCLASSES = ("FalconLinear",)
+"""``nn.Linear`` subclasses that override ``forward`` with the plain map ``x @ W.T + b`` (quantized like it)."""
+
+
+def linear_kind(module: nn.Module) -> str | None:
+    """``"linear"`` for a layer computing ``x @ W.T + b`` (``nn.Linear``, a subclass that keeps its forward or is
+    in :data:`PLAIN_LINEAR_SUBCLASSES`, transformers' ``Conv1D``); the reason a ``nn.Linear`` subclass is not;
+    ``None`` for anything else."""
+    if type(module) is nn.Linear or is_conv1d(module):
+        return "linear"
+    if not isinstance(module, nn.Linear):
+        return None
+    cls = type(module)
+    if cls.forward is nn.Linear.forward or cls.__name__ in PLAIN_LINEAR_SUBCLASSES:
+        return "linear"
+    return f"{cls.__name__} overrides nn.Linear.forward (not known to be a plain linear map)"
+
+
+def output_embedding_paths(model: nn.Module) -> set[str]:
+    """Paths of the output heads transformers names (``get_output_embeddings()`` of every model inside)."""
+    heads = set()
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        if callable(getter):
+            try:
+                head = getter()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(head, nn.Module):
+                heads.add(id(head))
+    return {path for path, module in model.named_modules() if id(module) in heads}
+
+
+def kept_float(model: nn.Module, *, skip: Sequence[str]) -> dict[str, str]:
+    """Frozen linear layers that stay in float, with why: a ``quantize_skip`` match, an output head
+    (``get_output_embeddings``, as transformers' own quantizers keep it), a weight tied to another module's (a
+    tied embedding: quantizing it would break the tie), a ``nn.Linear`` subclass with its own forward.
+
+    LoRA adapters and trainable layers are not listed (they are never quantized).
+    """
+    heads, tied = output_embedding_paths(model), {id(param): names for param, names in tied_parameters(model)}
+    reasons = {}
+    for path, module in model.named_modules():
+        kind = linear_kind(module)
+        if not path or kind is None or any(part.startswith("lora_") for part in path.split(".")):
+            continue
+        if is_bnb_layer(module, "Linear8bitLt") or is_bnb_layer(module, "Linear4bit"):
+            continue  # quantized already: converted losslessly, whatever its class does
+        if any(p.requires_grad for p in module.parameters()):
+            continue
+        own = [n for p in module.parameters(recurse=False) for n in tied.get(id(p), ())]
+        others = [n for n in own if n.rpartition(".")[0] != path]
+        if skipped(path, skip):
+            reasons[path] = "quantize_skip"
+        elif path in heads:
+            reasons[path] = "output embeddings (get_output_embeddings)"
+        elif others:
+            reasons[path] = f"tied to {others[0]}"
+        elif kind != "linear":
+            reasons[path] = kind
+    return reasons
+
+
 def layer_candidates(model: nn.Module, *, skip: Sequence[str], prequantized: Callable[[nn.Module], bool]) -> list[str]:
-    """Paths of every frozen ``nn.Linear`` / ``Conv1D`` and every ``prequantized`` bitsandbytes layer, except LoRA
-    adapters (``lora_`` in the path) and ``skip`` matches."""
+    """Paths of every frozen plain linear layer (:func:`linear_kind`) and every ``prequantized`` bitsandbytes layer,
+    except LoRA adapters (``lora_`` in the path) and what :func:`kept_float` keeps in float."""
+    keep = kept_float(model, skip=skip)
     paths = []
     for path, module in model.named_modules():
-        if not path or any(part.startswith("lora_") for part in path.split(".")) or skipped(path, skip):
+        if not path or any(part.startswith("lora_") for part in path.split(".")) or path in keep:
             continue
-        float_layer = type(module) is nn.Linear or is_conv1d(module)
+        if skipped(path, skip):
+            continue
+        float_layer = linear_kind(module) == "linear"
         if prequantized(module) or (float_layer and not any(p.requires_grad for p in module.parameters())):
             paths.append(path)
     return paths

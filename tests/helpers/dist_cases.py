@@ -39,7 +39,9 @@ from tests.helpers.models import (
     StridedSampler,
     TinyLM,
     TokenDataset,
-    lora_llama,
+    arch_lora,
+    lora_base,
+    lora_model,
     sgd_causal_lm,
     tied_model,
     tiny_llama,
@@ -108,6 +110,23 @@ CASES: dict[str, dict] = {
         "lora": "strategy",
         "auto": True,
     },
+    # LoRA + int8 on other layer types: Falcon's FalconLinear (an nn.Linear subclass), BERT's masked LM (its decoder,
+    # the output embeddings, tied to the word embeddings: kept in float); both modes
+    **{
+        f"lora_int8_{mode}_{arch}": {
+            "strategy": {
+                "lora_only": mode == "replicated",
+                "quantize_base": "int8",
+                **({"lora": arch_lora(arch)} if mode == "sharded" else {}),
+            },
+            "lora": "module" if mode == "replicated" else "strategy",
+            "arch": arch,
+        }
+        for arch in ("falcon", "bert")
+        for mode in ("replicated", "sharded")
+    },
+    # the user shards in configure_model: "-true" precisions still store the parameters in their dtype
+    "user_sharded_bf16_true": {"strategy": {}, "user_sharded": True, "trainer": {"precision": "bf16-true"}},
     "lora_int8_sharded_bf16_mixed": {
         "strategy": {"quantize_base": "int8", "lora": LORA},
         "lora": "strategy",
@@ -178,6 +197,7 @@ class Recorder(Callback):
             "frozen_bytes": sum(local_bytes(p) for p in module.parameters() if not p.requires_grad),
             "trainable_bytes": sum(local_bytes(p) for p in module.parameters() if p.requires_grad),
             "frozen_dtypes": sorted({str(p.dtype) for p in module.parameters() if not p.requires_grad}),
+            "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "base_linear_bytes": base_linear_bytes(module),
             "seen_scale": self.seen_scale,
             "monitor": {
@@ -210,6 +230,17 @@ class InjectInf(Callback):
         if trainer.global_step == self.step and trainer.global_rank == 1:
             grad = next(p for p in module.parameters() if p.grad is not None).grad
             grad.to_local().view(-1)[0] = float("inf")
+
+
+class UserShardedLM(TinyLM):
+    """``TinyLM`` that shards itself in ``configure_model`` as the plan shards it (each block, then the root)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in self.model.blocks:
+            fully_shard(block, mesh=self.device_mesh)
+        fully_shard(self, mesh=self.device_mesh)
 
 
 def base_linear_bytes(module) -> int:
@@ -260,10 +291,13 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         **trainer_kwargs,
     )
     if "lora" in spec:
-        base = lora_llama(0) if spec["lora"] == "module" else tiny_llama(0, **LORA_LLAMA)
+        arch = spec.get("arch", "llama")
+        base = lora_model(arch) if spec["lora"] == "module" else lora_base(arch)
         data = FixedBatches(steps=LORA_STEPS)
         loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))
         trainer.fit(sgd_causal_lm(base, lr=LORA_LR), loader)
+    elif spec.get("user_sharded"):
+        trainer.fit(UserShardedLM())
     elif "tied" in spec:
         data = FixedBatches(steps=STEPS)
         loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))

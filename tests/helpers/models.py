@@ -251,11 +251,52 @@ class FixedBatches(Dataset):
         return self.data[i % len(self.data)]
 
 
-def train_lora_int8_reference(*, steps: int, lr: float, world_size: int = 2, batch_size: int = 4):
+def tiny_falcon(seed: int = 0):
+    """A transformers Falcon (``FalconLinear`` layers: an ``nn.Linear`` subclass with its own forward; head tied to
+    the word embeddings) from a tiny config."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    config = FalconConfig(vocab_size=VOCAB, hidden_size=DIM, num_hidden_layers=2, num_attention_heads=HEADS,
+                          new_decoder_architecture=False, multi_query=True, bias=True, hidden_dropout=0.0,
+                          attention_dropout=0.0)  # fmt: skip
+    torch.manual_seed(seed)
+    return FalconForCausalLM(config)
+
+
+ARCH_LORA_TARGETS = {
+    "llama": LORA_TARGETS,
+    "falcon": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+    "bert": ["query", "key", "value", "dense"],
+}
+"""LoRA targets per architecture of the LoRA + int8 cases."""
+
+
+def lora_base(arch: str, seed: int = 0) -> nn.Module:
+    """The base model of the LoRA + int8 cases: ``llama`` (linear layers dominate), ``falcon`` or ``bert``."""
+    return {"llama": lambda: tiny_llama(seed, **LORA_LLAMA), "falcon": lambda: tiny_falcon(seed),
+            "bert": lambda: tiny_bert_mlm(seed)}[arch]()  # fmt: skip
+
+
+def arch_lora(arch: str) -> dict:
+    """The LoRA settings of ``arch``'s cases (``LORA`` with its target modules)."""
+    return {**LORA, "target_modules": ARCH_LORA_TARGETS[arch]}
+
+
+def lora_model(arch: str, seed: int = 0) -> nn.Module:
+    """``lora_base(arch)`` with PEFT LoRA applied as the strategy applies ``arch_lora(arch)``."""
+    from peft import get_peft_model
+
+    from lightning_fsdp_plus.lora import make_lora_config, with_task_type
+
+    base = lora_base(arch, seed)
+    return get_peft_model(base, with_task_type(make_lora_config(arch_lora(arch)), base))
+
+
+def train_lora_int8_reference(*, steps: int, lr: float, arch: str = "llama", world_size: int = 2, batch_size: int = 4):
     """Single-process LoRA+int8 (SGD+momentum) on the global batch of ``FixedBatches``: losses, LoRA weights."""
     from lightning_fsdp_plus.quantization import convert_to_int8
 
-    model = lora_llama(0)
+    model = lora_model(arch)
     convert_to_int8(model)
     return _train_on_global_batch(model, steps=steps, lr=lr, world_size=world_size, batch_size=batch_size)
 

@@ -40,12 +40,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="repetitions (default 5)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/run"))
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per case (default 12 quick, 20 full)")
     args = parser.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
         parser.error(f"--cases: unknown {unknown}; valid choices: {', '.join(CASES)}")
     if args.devices < 1:
         parser.error(f"--devices={args.devices} must be a positive integer")
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"--steps={args.steps} must be a positive integer")
     return args
 
 
@@ -59,6 +62,7 @@ def launch(argv: list[str], devices: int, *, module: str = "benchmarks.run", env
 
 def _setting(args: argparse.Namespace) -> Setting:
     warmup, steps = (3, 12) if args.quick else (3, 20)
+    steps = args.steps or steps
     return Setting(
         size=SIZES["quick" if args.quick else "full"],
         batch_size=4,

@@ -15,7 +15,7 @@ CASES = "fsdp_plus_full_shard,fsdp2_loop_full_shard,lightning_fsdp,lightning_ddp
 
 
 def test_quick_run_writes_json_markdown_and_png(tmp_path):
-    command = [sys.executable, "-m", "benchmarks.run", "--quick", "--repeats", "1", "--cases", CASES,
+    command = [sys.executable, "-m", "benchmarks.run", "--quick", "--repeats", "1", "--steps", "3", "--cases", CASES,
                "--out", str(tmp_path)]  # fmt: skip
     proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)

@@ -60,10 +60,8 @@ def reference():
 
 @pytest.fixture(scope="session")
 def ckpt_reference(tmp_path_factory) -> dict[str, tuple]:
-    """Uninterrupted ``ckpt_cases.py`` runs, full fine-tune, LoRA on int8 and on NF4 bases (one launch for both):
-    (losses, final state, out dir)."""
-    full, lora = tmp_path_factory.mktemp("reference_full"), tmp_path_factory.mktemp("reference_lora")
-    launch(full, "full_ft")
-    launch(lora, "lora", "--kind", ",".join(LORA_KINDS))
-    return {"full_ft": (*result(full, "full_ft"), full),
-            **{kind: (*result(lora / kind, "lora"), lora / kind) for kind in LORA_KINDS}}  # fmt: skip
+    """Uninterrupted ``ckpt_cases.py`` runs — full fine-tune, LoRA on int8 and on NF4 bases — in one launch:
+    (losses, final state, out dir) by kind."""
+    out, kinds = tmp_path_factory.mktemp("reference"), ("full_ft", *LORA_KINDS)
+    launch(out, "reference", "--kind", ",".join(kinds))
+    return {kind: (*result(out / kind, "reference"), out / kind) for kind in kinds}

@@ -49,6 +49,8 @@ from tests.helpers.models import (
 from tests.helpers.threads import gloo_threads
 
 STEPS = 6
+ARCH_LORA_STEPS = 8
+"""Steps of the Falcon and BERT LoRA + int8 cases (their point is equality with one process, step by step)."""
 
 CASES: dict[str, dict] = {
     "full_shard_sgd": {"strategy": {"sharding_strategy": "FULL_SHARD"}},
@@ -121,6 +123,7 @@ CASES: dict[str, dict] = {
             },
             "lora": "module" if mode == "replicated" else "strategy",
             "arch": arch,
+            "steps": ARCH_LORA_STEPS,
         }
         for arch in ("falcon", "bert")
         for mode in ("replicated", "sharded")
@@ -140,8 +143,8 @@ TIED_LR = 0.1
 class Recorder(Callback):
     """Global loss per step, scaler scale, whether the local shard moved; memory from the MemoryMonitor."""
 
-    def __init__(self, name: str, out: Path, monitor: MemoryMonitor) -> None:
-        self.name, self.out, self.monitor = name, out, monitor
+    def __init__(self, name: str, out: Path, monitor: MemoryMonitor, *, export_peft: bool = True) -> None:
+        self.name, self.out, self.monitor, self.export_peft = name, out, monitor, export_peft
         self.losses: list[float] = []
         self.scales: list[float] = []
         self.stepped: list[bool] = []
@@ -208,7 +211,7 @@ class Recorder(Callback):
                 "steps_sampled": len(self.monitor.step_peaks),
             },
         }
-        if find_peft_model(module) is not None:  # adapter in PEFT format + logits of the sharded model
+        if self.export_peft and find_peft_model(module) is not None:  # adapter in PEFT format + sharded logits
             export_adapter(module, self.out / f"{self.name}.adapter")
             module.eval()
             with torch.no_grad():
@@ -267,7 +270,7 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
     seed_everything(0, workers=True)
     # memory logged every 2 steps (max over ranks), the cache "emptied" every 2 (a no-op on CPU, but recorded)
     monitor = MemoryMonitor(log_every_n_steps=2, empty_cache_every_n_steps=2)
-    recorder = Recorder(name, out, monitor)
+    recorder = Recorder(name, out, monitor, export_peft="arch" not in spec)  # the arch cases compare weights only
     callbacks = [recorder, monitor]
     if "inject_inf_at" in spec:
         callbacks.append(InjectInf(spec["inject_inf_at"]))
@@ -281,7 +284,7 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         strategy=FSDPPlusStrategy(**strategy_kwargs, start_method=start_method),
         accelerator="cpu",
         devices=2,
-        max_steps=LORA_STEPS if "lora" in spec else STEPS,
+        max_steps=spec.get("steps", LORA_STEPS) if "lora" in spec else STEPS,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
@@ -293,7 +296,7 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
     if "lora" in spec:
         arch = spec.get("arch", "llama")
         base = lora_model(arch) if spec["lora"] == "module" else lora_base(arch)
-        data = FixedBatches(steps=LORA_STEPS)
+        data = FixedBatches(steps=spec.get("steps", LORA_STEPS))
         loader = DataLoader(data, batch_size=4, sampler=StridedSampler(len(data)))
         trainer.fit(sgd_causal_lm(base, lr=LORA_LR), loader)
     elif spec.get("user_sharded"):

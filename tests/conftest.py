@@ -38,9 +38,9 @@ def load_case(out: Path, name: str, world_size: int = 2) -> CaseResult:
 
 @pytest.fixture(scope="session")
 def strategy_runs(tmp_path_factory) -> tuple[Path, str]:
-    """All cases of ``dist_cases.py`` in one 2-process launch (Lightning's launcher): (out dir, output)."""
+    """All cases of ``dist_cases.py`` in one 2-process ``torchrun`` launch: (out dir, output)."""
     out = tmp_path_factory.mktemp("strategy_runs")
-    output = run_script(DIST_CASES, "--out", str(out))
+    output = run_script(DIST_CASES, "--out", str(out), torchrun=2)  # both ranks import at once
     return out, output
 
 

@@ -14,8 +14,16 @@ SCRIPT = REPO / "tests" / "helpers" / "ckpt_cases.py"
 
 
 def launch(out: Path, scenario: str, *args: str) -> str:
-    """One run of ``ckpt_cases.py`` on 2 CPU processes; its output (AssertionError when it fails)."""
-    return run_script(SCRIPT, "--out", str(out), "--scenario", scenario, *args)
+    """One run of ``ckpt_cases.py`` that is to finish; its output (AssertionError when it fails).
+
+    Two ranks start together under ``torchrun`` (both import at once: seconds sooner than Lightning's launcher,
+    which starts rank 1 only when rank 0 reaches ``fit``; the results are the same, see
+    ``test_other_launchers_give_the_same_result``); ``--devices 1`` runs one plain process. Runs that are stopped
+    on purpose (signals, kill -9, a crash) start with Lightning's launcher, whose semantics they test.
+    """
+    devices = int(args[args.index("--devices") + 1]) if "--devices" in args else 2
+    torchrun = devices if devices > 1 else None
+    return run_script(SCRIPT, "--out", str(out), "--scenario", scenario, *args, torchrun=torchrun)
 
 
 def result(out: Path, scenario: str) -> tuple[dict[str, float], dict[str, torch.Tensor]]:

@@ -293,12 +293,17 @@ def tokenize_chat(
 
 
 def chat_prompt(messages: Sequence[Mapping[str, str]], tokenizer: Any) -> str:
-    """The text a model continues to answer the conversation's last user turn (everything before the answer)."""
+    """The text a model continues to answer the conversation's last user turn (answers after it are dropped)."""
     turns = list(messages)
-    if turns[-1]["role"] == "assistant":
-        turns = turns[:-1]
+    while turns and turns[-1]["role"] == "assistant":
+        turns.pop()
     pieces = chat_segments([*turns, {"role": "assistant", "content": ""}], tokenizer)
     return "".join(text for text, _ in pieces[:-1])
+
+
+def last_question(messages: Sequence[Mapping[str, str]]) -> str:
+    """The content of the conversation's last user turn (``""`` when it has none)."""
+    return next((turn["content"] for turn in reversed(messages) if turn["role"] == "user"), "")
 
 
 def encode_record(
@@ -421,8 +426,7 @@ class InstructionDataModule(LightningDataModule):
             if is_chat(record):
                 turns = normalize_messages(record[MESSAGES_FIELD])
                 turns = turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant") + 1]
-                question = next(t["content"] for t in reversed(turns) if t["role"] == "user")
-                prompts.append({"question": question, "prompt": chat_prompt(turns, self.tokenizer),
+                prompts.append({"question": last_question(turns[:-1]), "prompt": chat_prompt(turns, self.tokenizer),
                                 "reference": turns[-1]["content"]})  # fmt: skip
             else:
                 prompts.append({"question": str(record["instruction"]), "prompt": render_prompt(record),

@@ -56,13 +56,18 @@ def load_for_generation(model: str, *, adapter: str | None = None) -> tuple[Any,
 def generation_prompt(record: dict[str, Any], tokenizer: Any, *, chat: bool = False) -> tuple[str, str]:
     """``(question, prompt)`` for one record: a chat (``messages``) through the tokenizer's chat template up to its
     last user turn; an instruction in the app's instruction template, or as one user turn when ``chat``."""
-    from lightning_fsdp_plus.app.data import MESSAGES_FIELD, chat_prompt, is_chat, normalize_messages, render_prompt
+    from lightning_fsdp_plus.app.data import (
+        MESSAGES_FIELD,
+        chat_prompt,
+        is_chat,
+        last_question,
+        normalize_messages,
+        render_prompt,
+    )
 
-    if is_chat(record):
+    if is_chat(record):  # answer the last question, not after a given answer
         turns = normalize_messages(record[MESSAGES_FIELD], where="--file")
-        while turns[-1]["role"] == "assistant":  # answer the last question, not after a given answer
-            turns = turns[:-1]
-        return turns[-1]["content"], chat_prompt(turns, tokenizer)
+        return last_question(turns), chat_prompt(turns, tokenizer)
     if chat:
         return str(record["instruction"]), chat_prompt([{"role": "user", "content": str(record["instruction"])}],
                                                        tokenizer)  # fmt: skip

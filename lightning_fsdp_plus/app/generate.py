@@ -43,14 +43,16 @@ def greedy_generate(
 def load_for_generation(model: str, *, adapter: str | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode: a model directory (a merged export, or a base with ``adapter``, a PEFT
     adapter directory such as a run's ``adapter/``)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from lightning_fsdp_plus.app.tokenizer import load_tokenizer
 
     loaded = AutoModelForCausalLM.from_pretrained(model)
     if adapter is not None:
         from peft import PeftModel
 
         loaded = PeftModel.from_pretrained(loaded, adapter)
-    return loaded.eval(), AutoTokenizer.from_pretrained(model)
+    return loaded.eval(), load_tokenizer(model)
 
 
 def generation_prompt(record: dict[str, Any], tokenizer: Any, *, chat: bool = False) -> tuple[str, str]:

@@ -16,6 +16,11 @@ def skipped(path: str, skip: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, pattern) or fnmatch.fnmatchcase(name, pattern) for pattern in skip)
 
 
+def is_adapter(path: str) -> bool:
+    """Whether a module path lies in a LoRA adapter (``lora_A``, ``lora_B``, ... in it): never quantized."""
+    return any(part.startswith("lora_") for part in path.split("."))
+
+
 def is_conv1d(module: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2, GPT-J's predecessors, ...): a linear layer with a transposed weight."""
     from transformers.pytorch_utils import Conv1D
@@ -76,7 +81,7 @@ def kept_float(model: nn.Module, *, skip: Sequence[str]) -> dict[str, str]:
     reasons = {}
     for path, module in model.named_modules():
         kind = linear_kind(module)
-        if not path or kind is None or any(part.startswith("lora_") for part in path.split(".")):
+        if not path or kind is None or is_adapter(path):
             continue
         if is_bnb_layer(module, "Linear8bitLt") or is_bnb_layer(module, "Linear4bit"):
             continue  # quantized already: converted losslessly, whatever its class does
@@ -101,9 +106,7 @@ def layer_candidates(model: nn.Module, *, skip: Sequence[str], prequantized: Cal
     keep = kept_float(model, skip=skip)
     paths = []
     for path, module in model.named_modules():
-        if not path or any(part.startswith("lora_") for part in path.split(".")) or path in keep:
-            continue
-        if skipped(path, skip):
+        if not path or is_adapter(path) or path in keep or skipped(path, skip):  # skip: for bitsandbytes layers
             continue
         float_layer = linear_kind(module) == "linear"
         if prequantized(module) or (float_layer and not any(p.requires_grad for p in module.parameters())):

@@ -83,6 +83,12 @@ class FSDPPlusOptions:
     on every rank, their gradients not reduced — as FSDP1's ``ignored_modules`` / ``ignored_states``."""
     reshard_after_forward: bool | None = None
     """Free each unit's unsharded parameters after forward; ``None`` follows the sharding strategy."""
+    reshard_root_after_forward: bool = False
+    """Where units reshard after forward (FULL_SHARD, HYBRID_SHARD): the root unit too (the LightningModule's own
+    parameters — embeddings, output head, final norm), all-gathered again for backward. ``False`` (FSDP2's default,
+    as with ``ModelParallelStrategy``): kept gathered from forward to backward — one all-gather of the root fewer
+    per step, for its gathered copy held at the end of forward (the plan's ``reshard`` column, the estimator and the
+    auto plan count it). ``True``: memory-lean."""
     lora_only: bool = False
     """Shard only the trainable (LoRA) parameters, their gradients and optimizer state; the frozen (possibly
     int8) base is kept out of FSDP and replicated on every rank. ``False`` shards the base too (memory-lean)."""
@@ -112,7 +118,8 @@ class FSDPPlusOptions:
     use_orig_params: bool = True
     """Must be ``True``: FSDP2 always keeps the original parameters (names, ``requires_grad``)."""
     log_grad_norm: bool = True
-    """Log the pre-clip global gradient norm as ``grad_norm`` every optimizer step."""
+    """Log the pre-clip global gradient norm as ``grad_norm`` on the steps the trainer logs (``log_every_n_steps``;
+    every step when norm clipping measures it anyway). Measuring costs a pass over the gradients and an all-reduce."""
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
     """``popen`` re-runs your script per rank (like ``ddp``); ``spawn``, ``fork``, ``forkserver`` use
     multiprocessing."""
@@ -162,7 +169,7 @@ class FSDPPlusOptions:
         self._set("backward_prefetch", compat.backward_prefetch_from(self.backward_prefetch))
         self._set("ignored_modules", compat.ignored_from(self.ignored_modules))
         for key in ("forward_prefetch", "limit_all_gathers", "sync_module_states", "lora_only", "use_orig_params",
-                    "log_grad_norm", "cpu_offload"):  # fmt: skip
+                    "log_grad_norm", "cpu_offload", "reshard_root_after_forward"):  # fmt: skip
             _check_bool(getattr(self, key), key=key)
         for key in ("reshard_after_forward", "save_trainable_only"):
             if getattr(self, key) is not None:
@@ -260,6 +267,11 @@ class FSDPPlusOptions:
         if self.reshard_after_forward is not None:
             return self.reshard_after_forward
         return self._concrete.reshard_after_forward
+
+    @property
+    def resharded_root(self) -> bool:
+        """Whether the root unit frees its unsharded parameters after forward (only where the other units do)."""
+        return self.resharded_after_forward and self.reshard_root_after_forward
 
     @property
     def _concrete(self) -> ShardingStrategy:

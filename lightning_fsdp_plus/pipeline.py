@@ -108,6 +108,7 @@ def plan_model(
         if checkpointed is not None
         else (),
         reshard_after_forward=options.resharded_after_forward,
+        reshard_root_after_forward=options.reshard_root_after_forward,
         mp_policy=mixed_precision_policy(precision=precision, mapping=options.mixed_precision),
         cpu_offload=options.cpu_offload and device_type != "cpu",  # on CPU the parameters already live there
         forward_prefetch=options.forward_prefetch,

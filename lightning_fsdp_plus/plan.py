@@ -292,6 +292,12 @@ class ShardingPlan:
         mesh = f"replicate={self.mesh.replicate} x shard={self.mesh.shard}"
         title = f"Sharding plan: {self.sharding_strategy.value}, mesh {mesh}, {len(self.units)} FSDP units"
         body = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
+        root = self.units[-1]
+        if not root.reshard_after_forward and any(u.reshard_after_forward for u in self.units[:-1]):
+            body.append(
+                f"root kept gathered from forward to backward: +{root.num_params:,} params' gathered copy at the"
+                " end of forward, one all-gather fewer per step (reshard_root_after_forward=True frees it)"
+            )
         if self.activation_checkpointing:
             body.append(f"activation checkpointing: {', '.join(self.activation_checkpointing)}")
         for group in self.tied:
@@ -338,6 +344,7 @@ def build_sharding_plan(
     ignored_params: Collection[nn.Parameter] = (),
     activation_checkpointing: Iterable[str] = (),
     reshard_after_forward: bool | None = None,
+    reshard_root_after_forward: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
     cpu_offload: bool = False,
     forward_prefetch: bool = False,
@@ -348,7 +355,9 @@ def build_sharding_plan(
 
     A parameter belongs to the innermost unit whose subtree holds it, as with nested ``fully_shard`` calls.
     Parameters in ``ignored_params`` are replicated and listed separately. ``reshard_after_forward`` defaults
-    to the strategy's rule; the policy, offload and prefetch settings travel with the plan to ``fully_shard``.
+    to the strategy's rule; the root reshards too only with ``reshard_root_after_forward`` (else FSDP2 keeps it
+    gathered from forward to backward, its default for the root); the policy, offload and prefetch settings travel
+    with the plan to ``fully_shard``.
     Tied parameters stay in one unit (:class:`TiedGroup`): unit paths that would split them are dropped, unless
     ``keep_tied_together`` is false (describing units that exist already). ``float_layers`` (the frozen linear
     layers quantization left in float, with why) are recorded and printed.
@@ -388,7 +397,7 @@ def build_sharding_plan(
             path=path,
             module_class=type(modules[path]).__name__,
             params=tuple(owner[path]),
-            reshard_after_forward=reshard,
+            reshard_after_forward=reshard and (bool(path) or reshard_root_after_forward),
         )
         for path in [*ordered, ""]
     )

@@ -116,6 +116,13 @@ def mixed_precision_policy(
     return MixedPrecisionPolicy()
 
 
+def logs_this_step(model: Any) -> bool:
+    """Whether the trainer of ``model`` sends this training step's values to its loggers (every
+    ``log_every_n_steps``, or when it stops); True outside a trainer."""
+    trainer = getattr(model, "_trainer", None)
+    return trainer is None or trainer._logger_connector.should_update_logs
+
+
 class FSDPPlusPrecision(FSDPPrecision):
     """Precision plugin for :class:`~lightning_fsdp_plus.FSDPPlusStrategy`: Lightning's ``FSDPPrecision`` with
     autocast on the real device, a scaler for that device, and gradient clipping across shards.
@@ -124,7 +131,8 @@ class FSDPPlusPrecision(FSDPPrecision):
         precision: One of ``32-true``, ``bf16-mixed``, ``bf16-true``, ``16-mixed``, ``16-true``.
         device: Device type for autocast (``"cpu"`` or ``"cuda"``); the strategy sets it from its root device.
         scaler: A gradient scaler for ``16-mixed``; defaults to torch's ``ShardedGradScaler`` for ``device``.
-        log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` on every optimizer step.
+        log_grad_norm: Log the pre-clip global gradient norm as ``grad_norm`` on the steps the trainer logs (every
+            ``log_every_n_steps``; every step when clipping by norm measures it anyway).
 
     Inherited unchanged from ``FSDPPrecision``: module conversion and init contexts for the ``-true`` presets,
     input/output casts, loss scaling in ``pre_backward`` and the scaler's ``optimizer_step``.
@@ -183,12 +191,13 @@ class FSDPPlusPrecision(FSDPPrecision):
     ) -> None:
         self.last_grad_norm = None
         log = self.log_grad_norm and getattr(model, "automatic_optimization", False)
-        if log and not (clip_val and gradient_clip_algorithm == "norm"):
-            # no norm clipping will measure it: measure before any value clipping changes the gradients
+        if log and not (clip_val and gradient_clip_algorithm == "norm") and logs_this_step(model):
+            # no norm clipping will measure it: measure before any value clipping changes the gradients (only on
+            # the steps the trainer logs: the norm costs a pass over the gradients and an all-reduce)
             self.last_grad_norm = grad_norm_across_shards(self.main_params(optimizer))
         super()._clip_gradients(model, optimizer, clip_val, gradient_clip_algorithm)
-        if log and self.last_grad_norm is not None:
-            model.log("grad_norm", self.last_grad_norm.detach().float().cpu(), on_step=True, prog_bar=False)
+        if log and self.last_grad_norm is not None:  # stays on the device: Lightning reads it when it logs
+            model.log("grad_norm", self.last_grad_norm.detach().float(), on_step=True, prog_bar=False)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: float) -> None:

@@ -184,3 +184,23 @@ def test_units_that_exist_already_are_described_as_they_are():
                                mesh=MeshLayout(1, 2), keep_tied_together=False)  # fmt: skip
     assert [u.path for u in plan.units] == ["model.embed_tokens", ""]
     assert (plan.tied[0].unit, plan.tied[0].merged) == ("model.embed_tokens", ())
+
+
+def test_the_root_stays_gathered_from_forward_to_backward_unless_asked_and_the_table_says_so():
+    from lightning_fsdp_plus.policies import select_unit_paths
+
+    model = tiny_llama(layers=2)
+    paths = select_unit_paths(model, "auto")
+
+    def plan(strategy, **kwargs):
+        return build_sharding_plan(model, unit_paths=paths, sharding_strategy=strategy, mesh=MeshLayout(1, 2), **kwargs)
+
+    kept = plan(ShardingStrategy.FULL_SHARD)
+    assert [u.reshard_after_forward for u in kept.units] == [True, True, False]  # the root last
+    root = kept.units[-1].num_params
+    assert f"root kept gathered from forward to backward: +{root:,} params'" in kept.format_table()
+    lean = plan(ShardingStrategy.FULL_SHARD, reshard_root_after_forward=True)
+    assert all(u.reshard_after_forward for u in lean.units) and "root kept" not in lean.format_table()
+    # nothing reshards under SHARD_GRAD_OP: the root is like every unit, nothing to point out
+    grad_op = plan(ShardingStrategy.SHARD_GRAD_OP, reshard_root_after_forward=True)
+    assert not any(u.reshard_after_forward for u in grad_op.units) and "root kept" not in grad_op.format_table()

@@ -4,7 +4,9 @@ Sharding strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, and ``HYBRID
 that divides the world, other than 1 and the world itself, which equal ``NO_SHARD``-like replication and
 ``FULL_SHARD``), ``lora_only`` on and off for LoRA runs (not with ``NO_SHARD``, where nothing is sharded anyway),
 activation checkpointing off and per unit, CPU offload on accelerators, and quantization of the frozen base only
-for the kinds the user allowed (``allow_quantize``: it changes numerics).
+for the kinds the user allowed (``allow_quantize``: it changes numerics). Each candidate keeps its root unit gathered
+from forward to backward (faster); one that reshards its units and does not fit so is considered with its root
+resharded too (``reshard_root``: see :func:`~lightning_fsdp_plus.autoplan.choose.predict_memory`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Candidate:
     """Sharded state in host memory (accelerators only)."""
     quantize_base: str | None = None
     """The frozen base's quantization, if any."""
+    reshard_root: bool = False
+    """The root unit resharded after forward too (``reshard_root_after_forward``; strategies that reshard their
+    units only), chosen when the candidate does not fit with its root kept gathered from forward to backward."""
 
     @property
     def strategy_name(self) -> str:
@@ -47,6 +52,7 @@ class Candidate:
         parts += ["checkpointing"] if self.activation_checkpointing else []
         parts += ["cpu_offload"] if self.cpu_offload else []
         parts += [self.quantize_base] if self.quantize_base else []
+        parts += ["root resharded"] if self.reshard_root else []
         return " + ".join(parts)
 
     def options(self, base: FSDPPlusOptions) -> FSDPPlusOptions:
@@ -60,6 +66,7 @@ class Candidate:
             activation_checkpointing=checkpointing if self.activation_checkpointing else None,
             cpu_offload=self.cpu_offload,
             quantize_base=self.quantize_base,
+            reshard_root_after_forward=self.reshard_root,
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -71,6 +78,7 @@ class Candidate:
             "activation_checkpointing": self.activation_checkpointing,
             "cpu_offload": self.cpu_offload,
             "quantize_base": self.quantize_base,
+            "reshard_root_after_forward": self.reshard_root,
         }
 
 

@@ -211,7 +211,9 @@ def predict_memory(
     optimizer: str = "adamw",
     budget_text: str = "",
 ) -> AutoPlan:
-    """Every candidate's memory (one FakeTensor build per quantization kind); no step times yet."""
+    """Every candidate's memory (one FakeTensor build per quantization kind); no step times yet. A candidate whose
+    units reshard after forward keeps its root gathered until backward (one all-gather fewer per step) unless only
+    freeing the root too (``reshard_root``) brings its peak down enough to fit."""
     from lightning_fsdp_plus.memory.estimate import estimate_strategy
 
     candidates = enumerate_candidates(world_size=world_size, lora_run=lora_run, quantize=quantize,
@@ -230,16 +232,29 @@ def predict_memory(
             excluded.append((kind, str(err)))
             continue
         described |= {(kind, *key): value for key, value in variants.items()}
-    predictions = []
-    for c in (c for c in candidates if (c.quantize_base, c.lora_only, c.activation_checkpointing) in described):
+
+    def predict(c: Candidate) -> Prediction:
         model = described[c.quantize_base, c.lora_only, c.activation_checkpointing]
         memory = estimate_strategy(model, sharding_strategy=c.sharding_strategy, world_size=world_size,
                                    precision=precision, optimizer=optimizer, hybrid_shard_size=c.hybrid_shard_size,
-                                   cpu_offload=c.cpu_offload and accelerator)  # fmt: skip
-        predictions.append(Prediction(candidate=c, memory=memory, model=model))
-    return AutoPlan(predictions=tuple(predictions), budget=budget, margin=margin, world_size=world_size, batch=batch,
+                                   cpu_offload=c.cpu_offload and accelerator, reshard_root=c.reshard_root)  # fmt: skip
+        return Prediction(candidate=c, memory=memory, model=model)
+
+    predictions = [predict(c) for c in candidates if (c.quantize_base, c.lora_only, c.activation_checkpointing)
+                   in described]  # fmt: skip
+    plan = AutoPlan(predictions=tuple(predictions), budget=budget, margin=margin, world_size=world_size, batch=batch,
                     precision=precision, source=config_source(config), budget_text=budget_text,
                     excluded=tuple(excluded))  # fmt: skip
+
+    def leaner(p: Prediction) -> Prediction:
+        # the root kept gathered from forward to backward saves an all-gather per step; where that does not fit,
+        # the same candidate with its root freed after forward too, if that needs less
+        if plan.fits(p) or not p.candidate.sharding_strategy.reshard_after_forward:
+            return p
+        resharded = predict(replace(p.candidate, reshard_root=True))
+        return resharded if resharded.peak_bytes < p.peak_bytes else p
+
+    return replace(plan, predictions=tuple(leaner(p) for p in predictions))
 
 
 def agree_on_choice(plan: AutoPlan, *, gather: Callable[[Any], list[Any]]) -> None:

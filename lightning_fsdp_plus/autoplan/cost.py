@@ -10,7 +10,8 @@ layer (dequantization included):
   reduce-scatter over S ranks moves (S-1)/S of the data, an all-reduce over R twice (R-1)/R; the probe measures
   each kind, since a backend may run one as another — gloo's reduce-scatter is an all-reduce): per unit, one
   all-gather of its sharded parameters in the compute dtype (int8 and 4-bit bytes as stored) per forward and
-  again per backward when it reshards after forward (FULL_SHARD, HYBRID_SHARD; never the root), a
+  again per backward when it reshards after forward (FULL_SHARD, HYBRID_SHARD; the root only when the candidate
+  reshards it), a
   reduce-scatter of its trainable gradients in the reduce dtype, and for a replicated mesh dimension
   (NO_SHARD, HYBRID_SHARD) an all-reduce of that shard;
 * optimizer = trainable elements this rank updates ÷ optimizer elements/s (the host's under CPU offload);
@@ -34,7 +35,7 @@ import torch
 
 from lightning_fsdp_plus.autoplan.candidates import Candidate
 from lightning_fsdp_plus.memory.assumptions import PRECISION_BYTES
-from lightning_fsdp_plus.memory.estimate import ModelDescription, bytes_per_element
+from lightning_fsdp_plus.memory.estimate import ModelDescription, bytes_per_element, unit_reshards
 from lightning_fsdp_plus.plan import ParamInfo, resolve_mesh_layout
 
 GPU_OVERLAP = 0.8
@@ -197,10 +198,10 @@ def predict_step_time(
         return latency + wire_bytes(kind, nbytes, ranks) / bandwidth
 
     comm = pcie_bytes = 0.0
-    reshard = candidate.sharding_strategy.reshard_after_forward
     for index, unit in enumerate(model.units):
         root = index == len(model.units) - 1
-        gathers = 2 if reshard and not root else 1
+        again = unit_reshards(candidate.sharding_strategy, root=root, reshard_root=candidate.reshard_root)
+        gathers = 2 if again else 1
         grads = sum(p.numel for p in unit if p.trainable) * pb.grad
         comm += gathers * collective("all_gather", _unit_bytes(unit, pb.compute), shard)
         comm += collective("reduce_scatter", grads, shard) + collective("all_reduce", grads / shard, replicas)

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quantize-blocksize", type=int, default=64, help=docs.get("quantize_blocksize"))
     parser.add_argument("--quantize-double", action="store_true", help=docs.get("quantize_double"))
     parser.add_argument("--cpu-offload", action="store_true", help=docs.get("cpu_offload"))
+    parser.add_argument("--reshard-root-after-forward", action="store_true",
+                        help=docs.get("reshard_root_after_forward"))  # fmt: skip
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="checkpoint every unit but the root (needs --config)"
     )
@@ -219,6 +221,7 @@ def run(argv: Sequence[str] | None = None) -> str:
             precision=args.precision, optimizer=args.optimizer, hybrid_shard_size=args.hybrid_shard_size,
             lora=lora, trainable_fraction=args.trainable_fraction, lora_only=args.lora_only,
             quantize_base=args.quantize_base, cpu_offload=args.cpu_offload,
+            reshard_root_after_forward=args.reshard_root_after_forward,
             **({"quantize_blocksize": args.quantize_blocksize, "quantize_double": args.quantize_double}
                if args.quantize_base in ("nf4", "fp4") else {}),
             activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
@@ -235,6 +238,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         + (f", {args.quantize_base} base" if args.quantize_base else "")
         + (", frozen base replicated" if args.lora_only else "")
         + (", CPU offload" if args.cpu_offload else "")
+        + (", root resharded after forward" if args.reshard_root_after_forward else "")
         + (", activation checkpointing" if args.activation_checkpointing else "")
         + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
         + (", padded" if args.config and args.padded else "")

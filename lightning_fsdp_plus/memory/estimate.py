@@ -5,7 +5,8 @@ The estimate is arithmetic over the model's parameters grouped the way the strat
 memory), with bytes per element from :mod:`~lightning_fsdp_plus.memory.assumptions`. Per rank it gives:
 
 * ``params`` / ``grads`` / ``optimizer``: sharded (÷ shard size) or replicated storage;
-* ``unsharded_params``: compute copies alive from forward to backward (SHARD_GRAD_OP, NO_SHARD);
+* ``unsharded_params``: compute copies alive from forward to backward (every unit under SHARD_GRAD_OP and
+  NO_SHARD; the root unit's under FULL/HYBRID_SHARD unless ``reshard_root_after_forward``);
 * ``model_state_bytes_per_rank``: the larger of the two moments a step peaks at — end of forward
   (stored + optimizer + kept compute copies) and end of backward (stored + optimizer + gradients);
 * ``activation_bytes_per_rank``: storages autograd saves in one forward of ``batch_size x seq_len``,
@@ -174,6 +175,12 @@ def bytes_per_element(info: ParamInfo, float_bytes: int) -> int:
     return float_bytes if info.dtype.is_floating_point else info.dtype.itemsize
 
 
+def unit_reshards(sharding_strategy: ShardingStrategy, *, root: bool, reshard_root: bool) -> bool:
+    """Whether a unit frees its gathered parameters after forward (and gathers them again for backward): the
+    strategy's rule, for the root only with ``reshard_root``."""
+    return sharding_strategy.reshard_after_forward and (reshard_root or not root)
+
+
 def estimate_strategy(
     model: ModelDescription,
     *,
@@ -183,8 +190,11 @@ def estimate_strategy(
     optimizer: str = "adamw",
     hybrid_shard_size: int | None = None,
     cpu_offload: bool = False,
+    reshard_root: bool = False,
 ) -> MemoryEstimate:
-    """Bytes per rank for one strategy at one world size."""
+    """Bytes per rank for one strategy at one world size; the root unit (the last) reshards after forward only
+    with ``reshard_root`` (``reshard_root_after_forward``) — else its gathered copy counts at the end of forward
+    when the strategy reshards the others (a model known only by its size has no root apart: nothing added)."""
     check_positive(world_size, key="world_size", meaning="the number of ranks")
     pb, states = _precision_bytes(precision), _optimizer_states(optimizer)
     try:
@@ -209,13 +219,18 @@ def estimate_strategy(
     def unsharded_grads(unit: Iterable[ParamInfo]) -> int:
         return sum(p.numel * pb.compute for p in unit if p.trainable)
 
-    kept = 0 if sharding_strategy.reshard_after_forward else sum(compute_copy(u) for u in model.units)
+    last = len(model.units) - 1
+    regathered = [unit_reshards(sharding_strategy, root=i == last, reshard_root=reshard_root or not model.units_known)
+                  for i in range(len(model.units))]  # a size-only model's one block stands for every unit  # fmt: skip
+    kept = sum(compute_copy(u) for u, again in zip(model.units, regathered, strict=True) if not again)
     transient = None
     if model.units_known and model.units:
         # the unit whose backward runs (its gathered copy when re-gathered, its unsharded gradients) and as much
         # again for its neighbours: the next unit's prefetched all-gather, the last one's reduce-scatter buffer
-        regather = sharding_strategy.reshard_after_forward
-        transient = 2 * max(unsharded_grads(u) + (compute_copy(u) if regather else 0) for u in model.units)
+        transient = 2 * max(
+            unsharded_grads(u) + (compute_copy(u) if again else 0)
+            for u, again in zip(model.units, regathered, strict=True)
+        )
         transient += 2 * model.recompute_bytes  # a checkpointed unit's recomputed activations and their gradients
     temporaries = 0 if cpu_offload else opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
     temporaries += r_opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
@@ -426,6 +441,7 @@ def estimate_memory(
     else:
         model = describe_config(config, precision=precision, options=opts, batch=batch)
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size}
+    common["reshard_root"] = opts.reshard_root_after_forward
     estimates = [
         estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=opts.cpu_offload, **common)
         for size in sizes

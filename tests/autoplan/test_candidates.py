@@ -39,3 +39,12 @@ def test_a_candidate_is_a_set_of_options():
     assert options.activation_checkpointing == [torch.nn.Linear]  # the wrap policy's units
     assert candidate.label == "HYBRID_SHARD/4 + lora_only + checkpointing + int8"
     assert Candidate(ShardingStrategy.NO_SHARD).options(base).activation_checkpointing is None
+
+
+def test_a_resharded_root_is_an_option_and_a_label():
+    base = FSDPPlusOptions(sharding_strategy="auto", memory_budget="8GiB", plan_batch_size=1, plan_seq_len=8)
+    candidate = Candidate(ShardingStrategy.FULL_SHARD, reshard_root=True)
+    assert candidate.options(base).reshard_root_after_forward and candidate.options(base).resharded_root
+    assert candidate.label == "FULL_SHARD + root resharded"
+    assert candidate.to_dict()["reshard_root_after_forward"] is True
+    assert not Candidate(ShardingStrategy.FULL_SHARD).options(base).reshard_root_after_forward

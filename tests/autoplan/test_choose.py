@@ -6,12 +6,15 @@ so every expectation below is arithmetic on the plan's own predictions.
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import replace
 
 import pytest
 
 from lightning_fsdp_plus.autoplan import Hardware, NoFitError, predict_memory
 from lightning_fsdp_plus.autoplan.choose import agree_on_choice
+from lightning_fsdp_plus.memory.estimate import estimate_strategy
 from lightning_fsdp_plus.memory.fake import ForwardBatch
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from tests.helpers.launch import REPO
@@ -55,8 +58,10 @@ def test_a_budget_below_the_fastest_picks_the_fastest_that_still_fits(roomy):
 
 
 def test_nothing_fits_names_the_closest_candidate_and_the_bytes_missing(roomy):
-    closest = min(roomy.predictions, key=lambda p: p.peak_bytes)
     plan = plan_for(1_000_000)
+    closest = min(plan.predictions, key=lambda p: p.peak_bytes)
+    # nothing fits: the resharding candidates are tried with their root freed after forward too, the leanest way
+    assert closest.candidate.reshard_root and closest.peak_bytes < min(p.peak_bytes for p in roomy.predictions)
     missing = closest.peak_bytes - 900_000
     label = re.escape(closest.candidate.label)
     with pytest.raises(NoFitError, match=rf"Closest: {label} needs .* per rank.*\({missing:,} bytes\) more than"):
@@ -71,3 +76,22 @@ def test_the_same_inputs_choose_the_same_everywhere(roomy):
     agree_on_choice(roomy, gather=lambda label: [label, label])  # agreement passes quietly
     with pytest.raises(RuntimeError, match=r"chose differently on different ranks \(rank 0: .*, rank 1: elsewhere\)"):
         agree_on_choice(roomy, gather=lambda label: [label, "elsewhere"])
+
+
+def test_a_candidate_that_fits_only_with_its_root_resharded_gets_it():
+    roomy = plan_for(2**40, quantize=(None,))
+    assert not any(p.candidate.reshard_root for p in roomy.predictions)  # with room, every root stays gathered
+    full = next(p for p in roomy.predictions if p.candidate.label == "FULL_SHARD")
+    leaner = replace(full.candidate, reshard_root=True)
+    lean = estimate_strategy(full.model, sharding_strategy=leaner.sharding_strategy, world_size=2,
+                             precision="32-true", reshard_root=True)  # fmt: skip
+    assert lean.peak_with_transient_bytes_per_rank < full.peak_bytes  # freeing the root lowers the peak here
+    # a budget between the two: FULL_SHARD fits only with its root resharded, and the plan says so
+    budget = math.ceil(lean.peak_with_transient_bytes_per_rank / 0.9) + 1
+    tight = plan_for(budget, quantize=(None,))
+    chosen = next(p for p in tight.predictions if p.candidate.sharding_strategy.value == "FULL_SHARD"
+                  and not p.candidate.lora_only and not p.candidate.activation_checkpointing)  # fmt: skip
+    assert chosen.candidate == leaner and tight.fits(chosen)
+    assert chosen.candidate.label == "FULL_SHARD + root resharded"
+    assert not any(p.candidate.reshard_root for p in tight.predictions if p.candidate.sharding_strategy.value
+                   in ("SHARD_GRAD_OP", "NO_SHARD"))  # fmt: skip

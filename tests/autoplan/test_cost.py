@@ -43,6 +43,14 @@ def test_full_shard_gathers_each_unit_twice_but_the_root_once():
     assert step.total == pytest.approx(step.compute + step.collectives + step.optimizer)
 
 
+def test_a_resharded_root_is_gathered_again_for_backward():
+    kept, resharded = predict(), predict(candidate=Candidate(FULL, reshard_root=True))
+    assert resharded.collectives - kept.collectives == pytest.approx(1.2e-3)  # one more 400-byte all-gather
+    # SHARD_GRAD_OP reshards no unit, so neither the root
+    assert predict(candidate=Candidate(GRAD_OP, reshard_root=True)).collectives == predict(
+        candidate=Candidate(GRAD_OP)).collectives  # fmt: skip
+
+
 def test_shard_grad_op_gathers_once_and_no_shard_all_reduces():
     assert predict(candidate=Candidate(GRAD_OP)).collectives == pytest.approx(2 * 3e-3 + 2 * 1.2e-3)
     no_shard = predict(candidate=Candidate(NO))

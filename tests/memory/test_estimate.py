@@ -211,3 +211,27 @@ def test_budget_json_holds_every_candidate_and_the_choice():
     assert len(document["candidates"]) == 20 and best["fits"]  # 3 layouts, lora_only on 2, checkpointing, offload
     assert best["step"]["total"] == min(c["step"]["total"] for c in fitting)
     assert document["hardware"]["source"].startswith("a100 preset")
+
+
+def test_the_root_kept_gathered_counts_at_the_end_of_forward_and_a_resharded_one_in_the_transient():
+    from lightning_fsdp_plus.memory.estimate import ModelDescription, describe_param_count, estimate_strategy
+    from lightning_fsdp_plus.plan import ParamInfo, ShardingStrategy
+
+    def info(name, shape):
+        return ParamInfo(name, shape, torch.float32, True, True, 0)
+
+    # unit a: 1000 elements; the root: 100 (fp32: 4000 and 400 bytes gathered)
+    model = ModelDescription(units=((info("a.weight", (100, 10)),), (info("r.weight", (10, 10)),)),
+                             activation_bytes=0)  # fmt: skip
+    full = ShardingStrategy.FULL_SHARD
+
+    def estimate(strategy=full, **kwargs):
+        return estimate_strategy(model, sharding_strategy=strategy, world_size=2, precision="32-true", **kwargs)
+
+    kept, freed = estimate(), estimate(reshard_root=True)
+    assert kept.unsharded_params == 400 and freed.unsharded_params == 0
+    # backward around unit a: twice (its 4000-byte gathered copy + 4000 bytes of gradients), whatever the root does
+    assert kept.largest_unit_transient_bytes == freed.largest_unit_transient_bytes == 2 * 8000
+    assert estimate(ShardingStrategy.SHARD_GRAD_OP, reshard_root=True).unsharded_params == 4400  # nothing reshards
+    # a model known only by its size has no root apart: nothing is kept under FULL_SHARD
+    assert estimate_strategy(describe_param_count(1e6), sharding_strategy=full, world_size=2).unsharded_params == 0

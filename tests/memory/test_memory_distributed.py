@@ -21,6 +21,7 @@ from tests.helpers.models import LORA, LORA_LLAMA, SEQ, Block, TinyLM, TokenData
 # case -> (strategy, hybrid_shard_size, precision, optimizer) as dist_cases.py runs them (TinyLM, batch 4 per rank)
 TINY_CASES = {
     "full_shard_sgd": ("FULL_SHARD", None, "32-true", "sgd-momentum"),
+    "full_shard_root_resharded_sgd": ("FULL_SHARD", None, "32-true", "sgd-momentum", False, True),
     "shard_grad_op_sgd": ("SHARD_GRAD_OP", None, "32-true", "sgd-momentum"),
     "no_shard_sgd": ("NO_SHARD", None, "32-true", "sgd-momentum"),
     "hybrid_shard_sgd": ("HYBRID_SHARD", 1, "32-true", "sgd-momentum"),
@@ -30,7 +31,10 @@ TINY_CASES = {
 }
 
 
-def _tiny_estimate(strategy: str, hybrid: int | None, precision: str, optimizer: str, checkpointed: bool = False):
+def _tiny_estimate(
+    strategy: str, hybrid: int | None, precision: str, optimizer: str, checkpointed: bool = False,
+    reshard_root: bool = False,
+):  # fmt: skip
     module = TinyLM()
     model = copy.deepcopy(module.model).to(compute_dtype(precision))  # forward runs in the compute dtype
     if checkpointed:  # as activation_checkpointing=["Block"] does
@@ -45,6 +49,7 @@ def _tiny_estimate(strategy: str, hybrid: int | None, precision: str, optimizer:
         precision=precision,
         optimizer=optimizer,
         hybrid_shard_size=hybrid,
+        reshard_root=reshard_root,
     )
 
 
@@ -112,5 +117,9 @@ def test_monitor_counts_shards_once_while_units_are_unsharded(strategy_runs):
     assert sgo["params"] == full["params"]  # the local shards
     assert sgo["unsharded_params"] == 4 * sum(p.numel() for p in TinyLM().parameters())  # one full fp32 copy
     assert sgo["unsharded_params"] <= 2 * full["params"]  # two shards: the full copy plus dim-0 padding
-    assert full["unsharded_params"] == 0  # FULL_SHARD reshards every unit after forward
+    # FULL_SHARD reshards every unit after forward but the root (kept gathered until backward, FSDP2's default),
+    # unless reshard_root_after_forward
+    root = [p.numel() for n, p in TinyLM().named_parameters() if ".blocks." not in f".{n}"]
+    assert full["unsharded_params"] == 4 * sum(root) > 0
+    assert load_case(out, "full_shard_root_resharded_sgd").rank0["monitor"]["peak"]["unsharded_params"] == 0
     assert sgo["activations"] == full["activations"]

@@ -3,11 +3,13 @@
 Lightning 2.6's SIGTERM handler calls ``torch.distributed.broadcast`` inside the signal handler. A rank signalled
 mid-step pairs that broadcast with another rank's FSDP2 all-gather, and both block until the collective timeout.
 Here the handler (:class:`PreemptionSignals`, which replaces Lightning's ``_SignalConnector`` on the trainer)
-records the signal and returns: no collective, no I/O. At the next step boundary (after each optimizer step,
-before each evaluation step) one all-reduce of one integer over a gloo group tells every rank whether any rank
-was signalled, so every rank stops after the same optimizer step. Lightning's loops then raise their
-``SIGTERMException`` at the same point on every rank; :func:`handle_preemption` (the strategy's
-``on_exception``) writes the checkpoint and sets the exit status.
+records the signal and returns: no collective, no I/O. At step boundaries one all-reduce of one integer over a
+gloo group tells every rank whether any rank was signalled, so every rank stops after the same optimizer step.
+After each optimizer step it runs in flight (:meth:`PreemptionSignals.agree_in_flight`): started there, read at
+the next optimizer step — no barrier inside the training loop, and a signal stops training one step later than a
+waiting agreement would; before each evaluation step, at the end of evaluation and around fit it waits.
+Lightning's loops then raise their ``SIGTERMException`` at the same point on every rank;
+:func:`handle_preemption` (the strategy's ``on_exception``) writes the checkpoint and sets the exit status.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class PreemptionSignals(_SignalConnector):
         self.agree_seconds = 0.0
         """Time spent in agreements."""
         self._registered = False
+        self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work, flag) of an agreement started, not read
 
     def signals(self) -> tuple[int, ...]:
         """The signals handled: SIGTERM, SIGINT and the requeue signal."""
@@ -105,18 +108,48 @@ class PreemptionSignals(_SignalConnector):
             self.signum = int(signum)
 
     def agree(self) -> bool:
-        """Whether any rank was signalled, the same answer on every rank (a collective: call it on all of them)."""
-        if self.agreed:
+        """Whether any rank was signalled, the same answer on every rank (a collective: call it on all of them).
+        Waits for every rank; an agreement :meth:`agree_in_flight` started is completed first."""
+        if self.agreed or self._collect():
             return True
+        return self._decide(self._reduce(wait=True))
+
+    def agree_in_flight(self) -> bool:
+        """Like :meth:`agree` without waiting for the other ranks: the answer is the agreement the previous call
+        started (finished since: a step of collectives lies between), and this call starts the next one. So a
+        signal stops every rank after the same step, one step after :meth:`agree` would have (the per-step
+        boundary: no barrier in the step)."""
+        if self.agreed or self._collect():
+            return True
+        if self.group is None:
+            return self._decide(self.signum)
+        self._in_flight = self._reduce(wait=False)
+        return False
+
+    def _reduce(self, *, wait: bool) -> Any:
+        """Start (or, with ``wait``, run) the MAX all-reduce of this rank's signal: its result or ``(work, flag)``."""
         started = time.perf_counter()
         if self.group is None:
-            decided = self.signum
+            result: Any = self.signum
         else:
             flag = torch.tensor([self.signum], dtype=torch.int32)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-            decided = int(flag.item())
+            work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=not wait)
+            result = int(flag.item()) if wait else (work, flag)
         self.agree_seconds += time.perf_counter() - started
         self.agree_calls += 1
+        return result
+
+    def _collect(self) -> bool:
+        """Finish the agreement in flight, if any; whether it decided to stop."""
+        if self._in_flight is None:
+            return False
+        (work, flag), self._in_flight = self._in_flight, None
+        started = time.perf_counter()
+        work.wait()
+        self.agree_seconds += time.perf_counter() - started
+        return self._decide(int(flag.item()))
+
+    def _decide(self, decided: int) -> bool:
         if decided:
             self.agreed = decided
             self.received_sigterm = True  # Lightning's loops raise SIGTERMException at their next check
@@ -127,6 +160,7 @@ class PreemptionSignals(_SignalConnector):
         agreement is delivered again to them (it is not swallowed: by default it ends the process)."""
         super().teardown()
         self._registered = False
+        self._in_flight = None  # every rank started it together: it finished; its answer no longer matters
         if self.signum and not self.agreed:
             pending, self.signum = self.signum, 0
             signal.raise_signal(pending)

@@ -601,7 +601,9 @@ class FSDPPlusStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._agree_on_preemption()  # every rank stops after this same step (Lightning's loop checks the flag)
+        # every rank stops after the same step (Lightning's loop checks the flag); in flight: no barrier per step
+        if self._preemption is not None:
+            self._preemption.agree_in_flight()
         return output
 
     @override

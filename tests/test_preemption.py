@@ -73,7 +73,7 @@ def test_a_signal_no_agreement_saw_is_delivered_again_at_teardown():
 def test_the_agreement_is_one_max_all_reduce_on_its_group(monkeypatch):
     calls = []
 
-    def all_reduce(tensor, op, group):
+    def all_reduce(tensor, op, group, async_op=False):
         calls.append((op, group))
         tensor.fill_(int(signal.SIGTERM))  # another rank was signalled
 
@@ -82,6 +82,35 @@ def test_the_agreement_is_one_max_all_reduce_on_its_group(monkeypatch):
     assert made.agree() is True and made.agreed == signal.SIGTERM
     assert calls == [(dist.ReduceOp.MAX, "the-group")]
     assert made.agree() is True and len(calls) == 1  # decided once, no more collectives
+
+
+def test_the_per_step_agreement_is_read_one_step_later_and_a_waiting_one_finishes_it_first(monkeypatch):
+    calls, works = [], []
+
+    class Work:
+        def __init__(self, tensor):
+            self.tensor, self.waited = tensor, False
+
+        def wait(self):
+            self.waited = True
+            self.tensor.fill_(int(signal.SIGUSR1))  # another rank had been signalled when it started
+
+    def all_reduce(tensor, op, group, async_op=False):
+        calls.append(async_op)
+        if async_op:
+            works.append(Work(tensor))
+            return works[-1]
+        return None
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    made = PreemptionSignals(trainer(), group="the-group")
+    assert made.agree_in_flight() is False and calls == [True]  # started, nobody waited on
+    assert not works[0].waited and made.received_sigterm is False
+    assert made.agree_in_flight() is True and works[0].waited  # the next step reads it: stop, on every rank
+    assert made.agreed == signal.SIGUSR1 and made.received_sigterm is True and calls == [True]
+    again = PreemptionSignals(trainer(), group="the-group")
+    again.agree_in_flight()
+    assert again.agree() is True and calls == [True, True]  # a waiting agreement reads the one in flight first
 
 
 def test_on_preempt_is_checked_with_key_value_and_choices():

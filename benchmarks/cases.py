@@ -1,15 +1,18 @@
 """Benchmark cases: one model, one data stream, many ways to train it.
 
-Every case trains a transformers Llama built from a config (no download) with AdamW on the same random
-token batches and returns this rank's measurements (``StepClock.summary`` + memory), or
+Every case trains a transformers Llama (or GPT-2) built from a config (no download) with AdamW on the same
+random token batches and returns this rank's measurements (``StepClock.summary`` + memory), or
 ``{"refused": "<message>"}`` when the framework refuses the setting (Lightning's FSDP on CPU).
 
 * ``fsdp_plus_<strategy>``: ``Trainer(strategy=FSDPPlusStrategy(sharding_strategy=...))``;
-* ``fsdp_plus_full_shard_no_grad_norm``: the same with ``log_grad_norm=False``;
 * ``fsdp2_loop_<strategy>``: the same sharding written by hand — ``fully_shard`` per decoder layer and
-  the root, a plain PyTorch loop, no Lightning — the overhead reference;
-* ``lightning_ddp``, ``lightning_fsdp``, ``lightning_model_parallel``: Lightning's own strategies
-  (``ModelParallelStrategy`` with the ``fully_shard`` calls a user writes in ``configure_model``);
+  the root (FSDP2's default for it), a plain PyTorch loop, no Lightning;
+* ``lightning_model_parallel_<strategy>``: Lightning's ``ModelParallelStrategy`` with the same ``fully_shard``
+  calls in ``configure_model`` — with the loop, the two references fsdp_plus is measured against;
+* ``gpt_<one of those three>_full_shard``: the same on a small GPT (GPT-2, 4 layers, 256 wide, 50257-token
+  vocabulary, 8 x 128 tokens per rank, 4 x 128 with ``--quick``), whose tied embedding makes the root unit most of
+  the model;
+* ``lightning_ddp``, ``lightning_fsdp``: Lightning's DDP and FSDP1 strategies;
 * ``lora_{int8,nf4,bf16}_{replicated,sharded}``: LoRA r=16 on all projections over an int8, NF4 or bf16 base,
   base replicated (``lora_only=True``) or sharded, in ``bf16-true``; ``lora_int8_replicated_per_layer``
   makes every LoRA-wrapped linear layer its own FSDP unit (rather than every decoder layer).
@@ -18,14 +21,15 @@ token batches and returns this rank's measurements (``StepClock.summary`` + memo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, Dataset
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 from benchmarks.harness import (
     CommCounter,
@@ -38,7 +42,7 @@ from benchmarks.harness import (
 from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.memory import SavedActivations
-from lightning_fsdp_plus.plan import ShardingStrategy, resolve_mesh_layout
+from lightning_fsdp_plus.plan import MeshLayout, ShardingStrategy, resolve_mesh_layout
 from lightning_fsdp_plus.sharding import init_mesh
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0,
@@ -46,7 +50,12 @@ LORA = {"r": 16, "alpha": 32, "dropout": 0.0,
 SIZES = {
     "full": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 4, "vocab_size": 1024, "seq": 128},
     "quick": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2, "vocab_size": 512, "seq": 64},
+    # GPT-2's vocabulary and tied embedding on a 4-layer 256-wide body: the root unit (embedding = lm_head, 12.9M
+    # of 16M parameters) dominates, so what happens to it between forward and backward shows
+    "gpt": {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 50257, "seq": 128},
 }
+GPT_BATCH_SIZE = 8
+"""Sequences per rank and step of the small GPT (half with ``--quick``)."""
 LR = 1e-4
 
 
@@ -61,17 +70,41 @@ class Setting:
     world_size: int
     accelerator: str = "cpu"
     hybrid_shard_size: int = 1
+    profile_steps: int = 0
+    """Steps after warm-up run under ``torch.profiler`` (before the measured ones)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def config(self) -> LlamaConfig:
-        """The Llama config (no download)."""
-        return LlamaConfig(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=self.size["seq"],
-                           **{k: v for k, v in self.size.items() if k != "seq"})  # fmt: skip
+    @property
+    def total_steps(self) -> int:
+        """Warm-up, profiled and measured steps."""
+        return self.warmup + self.profile_steps + self.steps
+
+    @property
+    def is_gpt(self) -> bool:
+        """True for the small GPT (GPT-2 architecture), else a Llama."""
+        return self.size is SIZES["gpt"]
+
+    def config(self) -> PretrainedConfig:
+        """The Llama or GPT-2 config (no download; no dropout, so every case computes the same)."""
+        size = self.size
+        if self.is_gpt:
+            return GPT2Config(n_embd=size["hidden_size"], n_layer=size["num_hidden_layers"], n_head=4,
+                              n_positions=size["seq"], vocab_size=size["vocab_size"], resid_pdrop=0.0,
+                              embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        return LlamaConfig(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=size["seq"],
+                           **{k: v for k, v in size.items() if k != "seq"})  # fmt: skip
+
+    def gpt(self) -> Setting:
+        """The same run on the small GPT: 2 warm-up steps and at most 10 measured ones (a step takes seconds on
+        CPU); from the ``quick`` size, half the batch and at most 6 steps."""
+        quick = self.size is SIZES["quick"]
+        return replace(self, size=SIZES["gpt"], batch_size=GPT_BATCH_SIZE // (2 if quick else 1), warmup=2,
+                       steps=min(self.steps, 6 if quick else 10))  # fmt: skip
 
     def loader(self) -> DataLoader:
         """This rank's batches (every rank its own slice of the same stream)."""
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        n = (self.warmup + self.steps) * self.batch_size
+        n = self.total_steps * self.batch_size
         return DataLoader(RandomTokens(n=n, seq=self.size["seq"], vocab=self.size["vocab_size"], seed=rank),
                           batch_size=self.batch_size)  # fmt: skip
 
@@ -96,9 +129,14 @@ class RandomTokens(Dataset):
         return self.data[i]
 
 
-def _model(setting: Setting) -> LlamaForCausalLM:
+def _model(setting: Setting) -> LlamaForCausalLM | GPT2LMHeadModel:
     seed_everything(0, verbose=False)
-    return LlamaForCausalLM(setting.config())
+    return (GPT2LMHeadModel if setting.is_gpt else LlamaForCausalLM)(setting.config())
+
+
+def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layers a hand-written ``fully_shard`` loop shards one by one (Llama's or GPT-2's)."""
+    return model.transformer.h if isinstance(model, GPT2LMHeadModel) else model.model.layers
 
 
 def _trainer(
@@ -109,7 +147,7 @@ def _trainer(
         accelerator=setting.accelerator,
         devices=setting.world_size,
         precision=precision,
-        max_steps=setting.warmup + setting.steps,
+        max_steps=setting.total_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -123,7 +161,7 @@ def _fit(
     setting: Setting, strategy: Any, module: Any, *, precision: str = "32-true", callbacks: tuple = ()
 ) -> dict[str, Any]:
     counter, base = CommCounter(), BaseLinears()
-    recorder = LightningRecorder(warmup=setting.warmup, counter=counter)
+    recorder = LightningRecorder(warmup=setting.warmup, counter=counter, profile_steps=setting.profile_steps)
     try:
         trainer = _trainer(setting, strategy, recorder, precision, (*callbacks, base))
     except (ValueError, RuntimeError) as err:  # the framework refuses this setting here
@@ -177,12 +215,11 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
     device = setting.device
     mesh = init_mesh(layout=layout, device_type=device.type)  # torch's init_device_mesh, 1-D or 2-D
     model = _model(setting).to(device)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    shard_by_hand(model, mesh=mesh, strategy=strategy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.95))
     counter = CommCounter()
-    clock, memory = StepClock(warmup=setting.warmup, counter=counter), LoopMemory(model, optimizer, device)
+    clock = StepClock(warmup=setting.warmup, counter=counter, profile_steps=setting.profile_steps)
+    memory = LoopMemory(model, optimizer, device)
     with counter.installed():
         for batch in setting.loader():
             batch = batch.to(device)
@@ -202,14 +239,28 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
     return {**clock.summary(), **memory.memory()}
 
 
+def shard_by_hand(model: torch.nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy) -> None:
+    """The ``fully_shard`` calls a user writes: each decoder layer as the strategy says, then the root with
+    FSDP2's default (kept unsharded from forward to backward)."""
+    for layer in blocks(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
+    fully_shard(model, mesh=mesh)
+
+
 class _UserShardedLM(CausalLMModule):
-    """What a ``ModelParallelStrategy`` user writes: the ``fully_shard`` calls in ``configure_model``."""
+    """What a ``ModelParallelStrategy`` user writes: the ``fully_shard`` calls in ``configure_model`` (on
+    Lightning's 1-D data-parallel mesh, or their own 2-D mesh where the strategy replicates)."""
+
+    def __init__(self, *args: Any, sharding: ShardingStrategy, layout: MeshLayout, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sharding, self.layout = sharding, layout
 
     def configure_model(self) -> None:
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.model, mesh=mesh)
+        if self.layout.two_d:
+            mesh = init_mesh(layout=self.layout, device_type=self.device_mesh.device_type)
+        else:
+            mesh = self.device_mesh["data_parallel"]
+        shard_by_hand(self.model, mesh=mesh, strategy=self.sharding)
 
 
 def lightning_ddp(setting: Setting) -> dict[str, Any]:
@@ -226,12 +277,16 @@ def lightning_fsdp(setting: Setting) -> dict[str, Any]:
     return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR))
 
 
-def lightning_model_parallel(setting: Setting) -> dict[str, Any]:
-    """Lightning's ``ModelParallelStrategy`` (FSDP2) with user-written ``fully_shard`` calls."""
+def lightning_model_parallel(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
+    """Lightning's ``ModelParallelStrategy`` (FSDP2) with user-written ``fully_shard`` calls for the strategy."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
+    sharding = ShardingStrategy.parse(sharding_strategy)
+    layout = resolve_mesh_layout(
+        sharding_strategy=sharding, world_size=setting.world_size, hybrid_shard_size=setting.hybrid_shard_size
+    )
     strategy = ModelParallelStrategy(data_parallel_size=setting.world_size, tensor_parallel_size=1)
-    return _fit(setting, strategy, _UserShardedLM(_model(setting), lr=LR))
+    return _fit(setting, strategy, _UserShardedLM(_model(setting), lr=LR, sharding=sharding, layout=layout))
 
 
 def _is_lora_layer(module: torch.nn.Module) -> bool:
@@ -258,14 +313,21 @@ def _bind(fn: Callable[..., dict[str, Any]], *args: Any, **kwargs: Any) -> Calla
     return lambda setting: fn(setting, *args, **kwargs)
 
 
+def _on_gpt(case: Callable[[Setting], dict[str, Any]]) -> Callable[[Setting], dict[str, Any]]:
+    return lambda setting: case(setting.gpt())
+
+
+REFERENCES = ("fsdp2_loop", "lightning_model_parallel")
+"""The hand-written FSDP2 runs every ``fsdp_plus_<strategy>`` case is compared with (the faster of the two)."""
+
+_FSDP2 = {"fsdp_plus": fsdp_plus, "fsdp2_loop": fsdp2_loop, "lightning_model_parallel": lightning_model_parallel}
+
 CASES: dict[str, Callable[[Setting], dict[str, Any]]] = {
-    **{f"fsdp_plus_{s.lower()}": _bind(fsdp_plus, s) for s in STRATEGIES},
-    **{f"fsdp2_loop_{s.lower()}": _bind(fsdp2_loop, s) for s in STRATEGIES},
-    # the price of the default grad_norm logging (a norm over the shards and an all-reduce per step)
-    "fsdp_plus_full_shard_no_grad_norm": _bind(fsdp_plus, "FULL_SHARD", log_grad_norm=False),
+    **{f"{kind}_{s.lower()}": _bind(fn, s) for kind, fn in _FSDP2.items() for s in STRATEGIES},
+    # the small GPT, FULL_SHARD: fsdp_plus and both references
+    **{f"gpt_{kind}_full_shard": _on_gpt(_bind(fn, "FULL_SHARD")) for kind, fn in _FSDP2.items()},
     "lightning_ddp": lightning_ddp,
     "lightning_fsdp": lightning_fsdp,
-    "lightning_model_parallel": lightning_model_parallel,
     "lora_int8_replicated": _bind(lora, base="int8", lora_only=True),
     "lora_int8_replicated_per_layer": _bind(lora, base="int8", lora_only=True, per_layer_units=True),
     "lora_int8_sharded": _bind(lora, base="int8", lora_only=False),

@@ -23,7 +23,7 @@ def agree(a: dict[str, float], b: dict[str, float]) -> bool:
 
 def compare(first: dict[str, Any], second: dict[str, Any]) -> tuple[bool, str]:
     """(all agree, a Markdown table) for the overhead ratios of two results documents."""
-    ra, rb = first["overhead_vs_fsdp2_loop"], second["overhead_vs_fsdp2_loop"]
+    ra, rb = first["overhead_vs_best_reference"], second["overhead_vs_best_reference"]
     lines = ["| ratio | run A median (min-max) | run B median (min-max) | agree |", "|---|---|---|---|"]
     ok = set(ra) == set(rb)
     for name in sorted(set(ra) | set(rb)):

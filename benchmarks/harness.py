@@ -121,27 +121,83 @@ class PythonAllReduce(Callback):
         trainer.strategy.model.register_comm_hook(None, allreduce_hook)
 
 
-class StepClock:
-    """Per-step phase times and collective bytes; Lightning hooks or a hand-written loop drive it."""
+PYTHON = "(outside any op: Python, framework)"
+"""The profile's name for step time no torch op covers (the profiler's per-step range, less its ops)."""
 
-    def __init__(self, *, warmup: int, counter: CommCounter) -> None:
+
+class StepProfile:
+    """``torch.profiler`` over a few steps: self CPU time per op name per step (the top ones), on this rank."""
+
+    def __init__(self, *, steps: int, top: int = 40) -> None:
+        self.steps, self.top = steps, top
+        self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.done = 0
+
+    def start(self) -> None:
+        """Begin profiling (before a step)."""
+        self.profiler.start()
+
+    def step_done(self) -> bool:
+        """Count a profiled step; stops the profiler after the last one (True then)."""
+        self.done += 1
+        if self.done == self.steps:
+            self.profiler.stop()
+            return True
+        return False
+
+    def summary(self) -> dict[str, float]:
+        """Seconds per step of self CPU time by op name, the largest ``top``; outside-op time as :data:`PYTHON`."""
+        per_op: dict[str, float] = defaultdict(float)
+        for event in self.profiler.key_averages():
+            # FSDP2 names its ranges by module path ("FSDP::all_gather (model.layers.0)"): summed per kind, since
+            # the same layer has another path under a LightningModule
+            name = PYTHON if event.key.startswith("ProfilerStep") else event.key.split(" (")[0]
+            per_op[name] += event.self_cpu_time_total / 1e6 / self.steps
+        return dict(sorted(per_op.items(), key=lambda item: -item[1])[: self.top])
+
+
+class StepClock:
+    """Per-step phase times and collective bytes; Lightning hooks or a hand-written loop drive it. With
+    ``profile_steps``, the first that many steps after warm-up also run under ``torch.profiler`` (their times are
+    not kept: profiling slows them)."""
+
+    def __init__(self, *, warmup: int, counter: CommCounter, profile_steps: int = 0) -> None:
         self.warmup, self.counter = warmup, counter
         self.steps: list[dict[str, float]] = []
         self.comm: list[dict[str, int]] = []
         self.tokens: list[int] = []
         self._marks: dict[str, float] = {}
         self._seen = 0
+        self.profile = StepProfile(steps=profile_steps) if profile_steps else None
+        self._step_range: Any = None
+
+    @property
+    def _profiling(self) -> bool:
+        return self.profile is not None and self.warmup < self._seen + 1 <= self.warmup + self.profile.steps
 
     def mark(self, name: str) -> None:
         """Record the time of ``name``: ``start``, ``forward``, ``backward``, ``optimizer_start``, ``end``."""
         if name == "start":
             self.counter.reset()
             self._marks = {}
+            if self._profiling:
+                assert self.profile is not None
+                if self.profile.done == 0:
+                    self.profile.start()
+                self._step_range = torch.profiler.record_function(f"ProfilerStep#{self._seen}")
+                self._step_range.__enter__()
         self._marks[name] = time.perf_counter()
 
     def end(self, tokens: int) -> None:
-        """Close a step (kept if past warm-up)."""
+        """Close a step (kept if past warm-up and not profiled)."""
         self.mark("end")
+        if self._step_range is not None:
+            assert self.profile is not None
+            self._step_range.__exit__(None, None, None)
+            self._step_range = None
+            self._seen += 1
+            self.profile.step_done()
+            return
         self._seen += 1
         if self._seen <= self.warmup:
             return
@@ -160,7 +216,8 @@ class StepClock:
     def summary(self) -> dict[str, Any]:
         """Medians over measured steps: step time, phases, tokens, collective bytes and calls per step."""
         keys = {k for c in self.comm for k in c}
-        return {
+        profile = {"profile_s": self.profile.summary()} if self.profile is not None else {}
+        return profile | {
             "step_time_s": statistics.median(s["step"] for s in self.steps),
             "phases_s": {p: statistics.median(s[p] for s in self.steps) for p in PHASES},
             "tokens_per_step": statistics.median(self.tokens),
@@ -171,8 +228,8 @@ class StepClock:
 class LightningRecorder(Callback):
     """Drives a :class:`StepClock` from Lightning's hooks; memory from a ``MemoryMonitor`` (add both)."""
 
-    def __init__(self, *, warmup: int, counter: CommCounter) -> None:
-        self.clock = StepClock(warmup=warmup, counter=counter)
+    def __init__(self, *, warmup: int, counter: CommCounter, profile_steps: int = 0) -> None:
+        self.clock = StepClock(warmup=warmup, counter=counter, profile_steps=profile_steps)
         self.monitor = MemoryMonitor(log_every_n_steps=0)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:

@@ -1,4 +1,5 @@
-"""One benchmark run: fsdp_plus vs a hand-written FSDP2 loop vs Lightning's strategies, side by side.
+"""One benchmark run: fsdp_plus vs hand-written FSDP2 (a plain loop, ``ModelParallelStrategy``) vs Lightning's
+strategies, side by side.
 
     python -m benchmarks.run [--quick] [--devices 2] [--accelerator cpu|gpu] [--repeats R] [--cases a,b]
                              [--out outputs/benchmarks/run]
@@ -6,8 +7,10 @@
 Starts ``--devices`` ranks with torchrun (gloo on CPU, nccl on GPU) unless already under it. Every
 repetition runs every case once, in the same order, so slow drift of the machine touches all cases alike;
 each case reports the median of its post-warm-up steps. Across repetitions the report gives the median
-and the spread (min-max) of step time, and of each ``fsdp_plus_<s> / fsdp2_loop_<s>`` ratio computed
-within a repetition. Writes ``results.json``, ``results.md`` and ``results.png`` (rank 0).
+and the spread (min-max) of step time, and of each ``fsdp_plus_<s>`` ÷ the faster of ``fsdp2_loop_<s>`` and
+``lightning_model_parallel_<s>`` computed within a repetition (the small GPT's too). The last repetition also
+runs a few steps of every case under ``torch.profiler`` first; the report lists the ops whose time differs most
+from the faster reference. Writes ``results.json``, ``results.md`` and ``results.png`` (rank 0).
 ``--quick``: a small model, 5 repetitions of 3 + 12 steps (the report's first line gives the wall time).
 """
 
@@ -19,6 +22,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,9 @@ import torch.distributed as dist
 from benchmarks.cases import CASES, SIZES, Setting
 from benchmarks.report import aggregate, write_reports
 from lightning_fsdp_plus._dist import all_gather_object, shutdown
+
+PROFILE_STEPS = 2
+"""Steps of each case the last repetition runs under ``torch.profiler``."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,8 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     started = time.perf_counter()
     for rep in range(repeats):
+        # the last repetition also profiles a few steps of every case (before its measured steps)
+        current = replace(setting, profile_steps=PROFILE_STEPS) if rep == repeats - 1 else setting
         for name in names:
-            ranks = all_gather_object(CASES[name](setting))  # every rank's figures for this repetition
+            ranks = all_gather_object(CASES[name](current))  # every rank's figures for this repetition
             runs[name].append({"repetition": rep, "ranks": ranks})
             if dist.get_rank() == 0:
                 print(f"[benchmarks] repetition {rep + 1}/{repeats} {name}: done", flush=True)

@@ -9,9 +9,13 @@ import json
 import subprocess
 import sys
 
+from benchmarks.harness import PYTHON
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
-CASES = "fsdp_plus_full_shard,fsdp2_loop_full_shard,lightning_fsdp,lightning_ddp,lora_int8_sharded,lora_bf16_sharded"
+CASES = (
+    "fsdp_plus_full_shard,fsdp2_loop_full_shard,lightning_model_parallel_full_shard,lightning_fsdp,lightning_ddp,"
+    "lora_int8_sharded,lora_bf16_sharded"
+)
 
 
 def test_quick_run_writes_json_markdown_and_png(tmp_path):
@@ -32,7 +36,32 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path):
     assert cases["lightning_ddp"]["comm_per_step"]["all_reduce"] > 0  # counted through DDP's comm hook
     int8, bf16 = cases["lora_int8_sharded"]["comm_per_step"], cases["lora_bf16_sharded"]["comm_per_step"]
     assert int8["all_gather"] < 0.7 * bf16["all_gather"]
-    assert set(results["overhead_vs_fsdp2_loop"]) == {"FULL_SHARD"}
-    assert results["overhead_vs_fsdp2_loop"]["FULL_SHARD"]["median"] > 0
-    assert "| fsdp_plus_full_shard |" in (tmp_path / "results.md").read_text()
+    ratio = results["overhead_vs_best_reference"]["FULL_SHARD"]
+    assert set(results["overhead_vs_best_reference"]) == {"FULL_SHARD"} and ratio["median"] > 0
+    assert ratio["reference"] in ("fsdp2_loop_full_shard", "lightning_model_parallel_full_shard")
+    # the (last) repetition profiled every case: torch ops and the time outside them, per step
+    profile = cases["fsdp_plus_full_shard"]["profile_s"]
+    assert PYTHON in profile and any(op.startswith("aten::") for op in profile)
+    assert ratio["profile_delta_s"] and all(len(row) == 3 for row in ratio["profile_delta_s"])
+    # FSDP2 keeps the root gathered from forward to backward in all three (fsdp_plus by default): same bytes
+    gathered = {name: cases[name]["comm_per_step"]["all_gather"] for name in CASES.split(",")[:3]}
+    assert len(set(gathered.values())) == 1, gathered
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| fsdp_plus_full_shard |" in markdown and "torch.profiler self CPU ms per step" in markdown
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_small_gpt_is_gpt2_with_its_vocabulary_and_the_loop_shards_its_blocks():
+    from transformers import GPT2LMHeadModel
+
+    from benchmarks.cases import GPT_BATCH_SIZE, SIZES, Setting, blocks
+
+    full = Setting(size=SIZES["full"], batch_size=4, warmup=3, steps=20, world_size=2).gpt()
+    assert full.is_gpt and (full.batch_size, full.warmup, full.steps) == (GPT_BATCH_SIZE, 2, 10)
+    setting = Setting(size=SIZES["quick"], batch_size=4, warmup=3, steps=12, world_size=2).gpt()
+    assert setting.is_gpt and (setting.batch_size, setting.steps) == (GPT_BATCH_SIZE // 2, 6)
+    config = setting.config()
+    assert (config.n_embd, config.n_layer, config.vocab_size, config.n_positions) == (256, 4, 50257, 128)
+    model = GPT2LMHeadModel(config)
+    assert blocks(model) is model.transformer.h and len(blocks(model)) == 4
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied: the root unit holds most of the model

@@ -122,7 +122,7 @@ class PythonAllReduce(Callback):
 
 
 PYTHON = "(outside any op: Python, framework)"
-"""The profile's name for step time no torch op covers (the profiler's per-step range, less its ops)."""
+"""The profile's name for step time no torch op covers (the per-step and optimizer ranges, less their ops)."""
 
 
 class StepProfile:
@@ -151,7 +151,10 @@ class StepProfile:
         for event in self.profiler.key_averages():
             # FSDP2 names its ranges by module path ("FSDP::all_gather (model.layers.0)"): summed per kind, since
             # the same layer has another path under a LightningModule
-            name = PYTHON if event.key.startswith("ProfilerStep") else event.key.split(" (")[0]
+            # the optimizer's range holds Lightning's whole closure (forward and backward) but the loop's step only:
+            # its own time (Python between ops) is counted with the rest of the Python
+            python = event.key.startswith(("ProfilerStep", "Optimizer.step#", "Optimizer.zero_grad#"))
+            name = PYTHON if python else event.key.split(" (")[0]
             per_op[name] += event.self_cpu_time_total / 1e6 / self.steps
         return dict(sorted(per_op.items(), key=lambda item: -item[1])[: self.top])
 

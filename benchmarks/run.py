@@ -11,7 +11,7 @@ and the spread (min-max) of step time, and of each ``fsdp_plus_<s>`` ÷ the fast
 ``lightning_model_parallel_<s>`` computed within a repetition (the small GPT's too). The last repetition also
 runs a few steps of every case under ``torch.profiler`` first; the report lists the ops whose time differs most
 from the faster reference. Writes ``results.json``, ``results.md`` and ``results.png`` (rank 0).
-``--quick``: a small model, 5 repetitions of 3 + 12 steps (the report's first line gives the wall time).
+``--quick``: a small model, 5 repetitions of 3 + 30 steps (the report's first line gives the wall time).
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ PROFILE_STEPS = 2
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small model, 3 + 12 steps per case")
+    parser.add_argument("--quick", action="store_true", help="small model, 3 + 30 steps per case")
     parser.add_argument("--devices", type=int, default=2, help="ranks (processes)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--repeats", type=int, default=5, help="repetitions (default 5)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/run"))
-    parser.add_argument("--steps", type=int, default=None, help="measured steps per case (default 12 quick, 20 full)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per case (default 30 quick, 20 full)")
     args = parser.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -68,7 +68,7 @@ def launch(argv: list[str], devices: int, *, module: str = "benchmarks.run", env
 
 
 def _setting(args: argparse.Namespace) -> Setting:
-    warmup, steps = (3, 12) if args.quick else (3, 20)
+    warmup, steps = (3, 30) if args.quick else (3, 20)  # quick: ~80 ms steps, more of them against the noise
     steps = args.steps or steps
     return Setting(
         size=SIZES["quick" if args.quick else "full"],

@@ -2,7 +2,7 @@
 
     python scripts/refresh_measured.py sweep        # fsdp-plus-train sweep=sharding: the sweep table (~2 min)
     python scripts/refresh_measured.py examples     # the medical and legal LoRA experiments: their table (~3 min)
-    python scripts/refresh_measured.py benchmark    # python -m benchmarks.run: the performance tables (~15 min)
+    python scripts/refresh_measured.py benchmark    # python -m benchmarks.run: the performance tables (~30 min)
     python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.json
 
 Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in README.md and opens

@@ -220,8 +220,8 @@ def estimate_strategy(
         return sum(p.numel * pb.compute for p in unit if p.trainable)
 
     last = len(model.units) - 1
-    regathered = [unit_reshards(sharding_strategy, root=i == last, reshard_root=reshard_root or not model.units_known)
-                  for i in range(len(model.units))]  # a size-only model's one block stands for every unit  # fmt: skip
+    lean_root = reshard_root or not model.units_known  # a size-only model's one block stands for every unit
+    regathered = [unit_reshards(sharding_strategy, root=i == last, reshard_root=lean_root) for i in range(last + 1)]
     kept = sum(compute_copy(u) for u, again in zip(model.units, regathered, strict=True) if not again)
     transient = None
     if model.units_known and model.units:
@@ -440,8 +440,8 @@ def estimate_memory(
         )  # fmt: skip
     else:
         model = describe_config(config, precision=precision, options=opts, batch=batch)
-    common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size}
-    common["reshard_root"] = opts.reshard_root_after_forward
+    common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size,
+              "reshard_root": opts.reshard_root_after_forward}  # fmt: skip
     estimates = [
         estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=opts.cpu_offload, **common)
         for size in sizes

@@ -51,6 +51,9 @@ def shutdown() -> None:
     drops torch's own references; DTensor's caches and reference cycles (trainer, strategy, model) hold the
     rest, so both are cleared here too.
     """
+    from lightning_fsdp_plus.failures import stop_failure_watch
+
+    stop_failure_watch()
     if initialized():
         dist.destroy_process_group()
     clear_dtensor_caches()

@@ -26,6 +26,8 @@ torch (2.13.0):
 
 - ``fsdp.wrap._Policy``, ``fsdp.wrap._recursive_wrap``: FSDP1 wrap policies turned into FSDP2 units;
 - ``distributed._composable.checkpoint``: composable activation checkpointing;
+- ``distributed_c10d._get_default_store``: the default group's store, where one rank's failure is recorded
+  (:mod:`~lightning_fsdp_plus.failures`);
 - ``FSDPModule._get_fsdp_state``, ``_fully_shard._fsdp_param.ShardedState``: FSDP2's parameter records (memory);
 - DTensor's caches (``_redistribute``, ``_collective_utils.MeshTopoInfo``, ``debug``): freeing groups at exit;
 - ``_subclasses.fake_tensor.FakeTensorMode``, ``_tools.fsdp2_mem_tracker``, ``testing._internal...FakeStore``:
@@ -68,6 +70,7 @@ __all__ = [
     "_set_rng_states",
     "clear_dtensor_caches",
     "composable_checkpoint",
+    "default_store",
     "fake_store",
     "fake_tensor_mode",
     "fsdp1_policy_base",
@@ -104,6 +107,13 @@ def composable_checkpoint() -> Any:
     from torch.distributed._composable import checkpoint
 
     return checkpoint
+
+
+def default_store() -> Any:
+    """The default process group's store (the rendezvous key/value server)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
 
 
 def fsdp_param_records(module: Any) -> list[Any]:

@@ -38,7 +38,7 @@ from lightning_fsdp_plus.quantization import (
     int8_candidates,
     kept_float,
 )
-from lightning_fsdp_plus.sharding import apply_sharding_plan
+from lightning_fsdp_plus.sharding import apply_sharding_plan, model_checkpointed_layers
 
 
 def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
@@ -97,16 +97,13 @@ def plan_model(
     model: nn.Module, options: FSDPPlusOptions, *, layout: MeshLayout, precision: str, device_type: str
 ) -> ShardingPlan:
     """Stage 3: the sharding plan — units, replicated parameters, checkpointing, policy, offload, prefetch."""
-    checkpointed = options.activation_checkpointing
     return build_sharding_plan(
         model,
         unit_paths=select_unit_paths(model, options.auto_wrap_policy),
         sharding_strategy=options.sharding_strategy,
         mesh=layout,
         ignored_params=replicated_params(model, options),
-        activation_checkpointing=select_unit_paths(model, checkpointed, key="activation_checkpointing")
-        if checkpointed is not None
-        else (),
+        activation_checkpointing=checkpointed_paths(model, options),
         reshard_after_forward=options.resharded_after_forward,
         reshard_root_after_forward=options.reshard_root_after_forward,
         mp_policy=mixed_precision_policy(precision=precision, mapping=options.mixed_precision),
@@ -114,6 +111,15 @@ def plan_model(
         forward_prefetch=options.forward_prefetch,
         float_layers=kept_float(model, skip=options.quantize_skip).items() if options.quantize_base else (),
     )
+
+
+def checkpointed_paths(model: nn.Module, options: FSDPPlusOptions) -> list[str]:
+    """The modules whose forward is recomputed in backward: ``activation_checkpointing``'s choice (the auto plan's
+    too) and the layers the model's own ``gradient_checkpointing_enable()`` switched on, which the plan then
+    checkpoints itself (one mechanism under FSDP2's hooks, counted by the estimator, never both at once)."""
+    chosen = options.activation_checkpointing
+    paths = select_unit_paths(model, chosen, key="activation_checkpointing") if chosen is not None else []
+    return list(dict.fromkeys([*paths, *model_checkpointed_layers(model)]))
 
 
 def batch_norms(model: nn.Module) -> list[str]:

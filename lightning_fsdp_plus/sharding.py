@@ -5,7 +5,10 @@ This is the only module that calls ``fully_shard``.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import functools
+import inspect
+import logging
+from collections.abc import Collection, Iterator
 from itertools import pairwise
 from typing import Any
 
@@ -18,6 +21,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from lightning_fsdp_plus._dist import all_gather_object as _all_gather_object
 from lightning_fsdp_plus._private import composable_checkpoint
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan
+
+log = logging.getLogger(__name__)
 
 
 def init_mesh(*, layout: MeshLayout, device_type: str) -> DeviceMesh:
@@ -69,11 +74,70 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMes
     return sharded
 
 
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
+"""The names transformers layers take their key/value cache by (renamed over versions; GPT-2 passes it by
+position)."""
+
+
 def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> None:
-    """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``)."""
+    """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``).
+
+    A checkpointed layer runs its forward twice: once in forward, again in backward. A layer that writes a
+    key/value cache (a transformers decoder layer under ``use_cache=True``, the config's default) would append its
+    keys a second time and attend over twice the sequence, so while gradients are computed it runs without a cache,
+    as transformers' own gradient checkpointing does (generation, under ``no_grad``, keeps its cache). The model's
+    own checkpointing (``gradient_checkpointing_enable()``) is switched off on these layers: they are recomputed
+    once, not twice.
+    """
     checkpoint = composable_checkpoint()
     for path in paths:
-        checkpoint(model.get_submodule(path))
+        module = model.get_submodule(path)
+        if transformers_checkpointing(module):
+            module.gradient_checkpointing = False
+        module.register_forward_pre_hook(_without_cache_under_grad, with_kwargs=True)  # before checkpoint's hook
+        checkpoint(module)
+
+
+def transformers_checkpointing(module: nn.Module) -> bool:
+    """True for a transformers layer (``GradientCheckpointingLayer``) whose own checkpointing is switched on
+    (``model.gradient_checkpointing_enable()``)."""
+    layer = any(c.__name__ == "GradientCheckpointingLayer" for c in type(module).__mro__)
+    return layer and getattr(module, "gradient_checkpointing", False) is True
+
+
+def model_checkpointed_layers(model: nn.Module) -> Iterator[str]:
+    """Paths of the layers the model's own ``gradient_checkpointing_enable()`` checkpoints (see
+    :func:`transformers_checkpointing`): the plan checkpoints them itself."""
+    return (path for path, module in model.named_modules() if transformers_checkpointing(module))
+
+
+@functools.cache
+def _forward_signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)
+
+
+def _without_cache_under_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if not torch.is_grad_enabled() or getattr(module, "_can_checkpoint_with_cache", False):
+        return None  # no backward, no recomputation; or a layer that only reads its cache
+    try:
+        bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
+    except TypeError:
+        return None  # the call itself is wrong: let forward say so
+    dropped = [name for name in CACHE_ARGUMENTS if bound.arguments.get(name) is not None]
+    if not dropped and not bound.arguments.get("use_cache"):
+        return None
+    for name in dropped:
+        bound.arguments[name] = None
+    if "use_cache" in bound.arguments:
+        bound.arguments["use_cache"] = False
+    _note_cache_dropped(type(module).__name__)
+    return bound.args[1:], bound.kwargs
+
+
+@functools.cache
+def _note_cache_dropped(layer: str) -> None:
+    log.info(f"activation checkpointing: {layer} runs without its key/value cache while computing gradients (its"
+             " forward is recomputed in backward and would write the cache twice)")  # fmt: skip
 
 
 def set_explicit_prefetch(units: list[FSDPModule]) -> None:

@@ -43,6 +43,7 @@ from lightning_fsdp_plus.checkpoint import (
     saved_optimizer_count,
     state_dict_options,
 )
+from lightning_fsdp_plus.failures import announce_failure, start_failure_watch
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import find_peft_model
 from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring
@@ -328,6 +329,7 @@ class FSDPPlusStrategy(ParallelStrategy):
         # destroys nccl groups at exit, and a gloo group left to interpreter teardown can abort the process
         atexit.unregister(shutdown)  # once per process, however many fits
         atexit.register(shutdown)
+        start_failure_watch()  # one rank's error ends every rank within seconds (failures.py)
         self._device_mesh = build_mesh(
             layout=self.mesh_layout, device_type=self.root_device.type, given=self.options.device_mesh
         )
@@ -608,6 +610,10 @@ class FSDPPlusStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        # no collective here: the other ranks may be inside one of their own (failures.py)
+        preempted = isinstance(exception, SIGTERMException) and bool(self._preemption and self._preemption.agreed)
+        if not preempted:
+            announce_failure(exception)
         if self._preemption is None or self.lightning_module is None:
             return
         handle_preemption(self.lightning_module.trainer, exception, connector=self._preemption,

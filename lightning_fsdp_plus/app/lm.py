@@ -63,9 +63,12 @@ class CausalLMModule(LightningModule):
         return self.model(**batch)
 
     def loss(self, batch: Tensor | dict[str, Tensor]) -> Tensor:
-        """Mean next-token cross-entropy of a batch."""
+        """Mean next-token cross-entropy of a batch. No key/value cache: nothing reads it in training or
+        validation, and in validation it would hold every layer's keys and values until the loss is computed."""
         if isinstance(batch, Tensor):
             batch = {"input_ids": batch, "labels": batch}
+        if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
+            batch = {**batch, "use_cache": False}
         return self.model(**batch).loss
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:

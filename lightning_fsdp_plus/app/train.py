@@ -53,6 +53,7 @@ from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_co
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
+from lightning_fsdp_plus.failures import report_failure
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
@@ -257,12 +258,27 @@ def log_to_run_files() -> None:
                 target.addHandler(handler)
 
 
-def record_failure(err: BaseException) -> None:
-    """Say why the run failed, in its directory (``failed.txt`` and the run's log)."""
-    text = f"{type(err).__name__}: {err}"
-    logging.getLogger(__name__).error("the run failed: %s", text)
+def record_failure(err: BaseException, *, with_traceback: bool = True) -> None:
+    """Say why the run failed, in this rank's log and the run directory's ``failed.txt``: the run's first failure
+    with its traceback (none for a value error: its message is the whole story). When another rank failed first
+    (this rank's error, e.g. gloo's "Connection closed by peer", follows from it), that rank's error is the one
+    reported, and this rank's own is added after it; a failure that follows never replaces the first one's
+    ``failed.txt``."""
+    mine, first = report_failure(err)  # through the store, never a collective (failures.py)
+    if first.rank == mine.rank:
+        trace = f"\n\n{mine.traceback}" if with_traceback else ""
+        text = f"the run failed on rank {mine.rank}: {mine.error}{trace}"
+    else:
+        text = (f"the run failed: {first.headline()}\n\n{first.traceback}\nrank {mine.rank} stopped because of it"
+                f" with {mine.error}")  # fmt: skip
+    logging.getLogger(__name__).error(text)
     with contextlib.suppress(OSError, ValueError):  # ValueError: no Hydra run directory (outside the app)
-        (Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE).write_text(text + "\n")
+        path = Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE
+        if first.rank == mine.rank or not path.exists():
+            path.write_text(text + "\n")
+        else:
+            with path.open("a") as file:
+                file.write(f"rank {mine.rank} stopped because of it with {mine.error}\n")
 
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
@@ -276,7 +292,7 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
             return run_job_in_subprocess()
         return train(cfg)
     except (ConfigError, InstantiationException) as err:
-        record_failure(err)
+        record_failure(err, with_traceback=False)
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"Error: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)

@@ -16,6 +16,7 @@ Samples are taken after forward (activations and unsharded parameters alive), be
 
 from __future__ import annotations
 
+import logging
 import resource
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -24,11 +25,13 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor, nn
 
 from lightning_fsdp_plus._dist import all_gather_object
 from lightning_fsdp_plus.memory.accounting import model_state_bytes
+
+log = logging.getLogger(__name__)
 
 CATEGORIES = ("params", "unsharded_params", "grads", "optimizer", "activations")
 """Tensor-accounted categories, in the order they are logged."""
@@ -272,6 +275,7 @@ class MemoryMonitor(Callback):
         """Steps before which the cache was emptied."""
         self._activations = SavedActivations()
         self._step_peak: MemorySample | None = None
+        self._directory: Path | None = None
 
     @property
     def peak(self) -> MemorySample | None:
@@ -328,12 +332,21 @@ class MemoryMonitor(Callback):
         if self.summary_every_n_steps and step % self.summary_every_n_steps == 0:
             self.write_summary(trainer, tag=f"step{step}")
 
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        """Resolve the summary directory now, while every rank is here: ``trainer.log_dir`` is a collective (a
+        broadcast), which the exception path must never run."""
+        self._directory = Path(self.summary_dir or trainer.log_dir or trainer.default_root_dir)
+
     def on_exception(self, trainer: Any, module: Any, exception: BaseException) -> None:
-        """Stop counting and, if asked, write what this rank held when training failed."""
+        """Stop counting and, if asked, write what this rank held when training failed (no collective: the other
+        ranks may be inside one of their own)."""
         self._activations.stop()
+        if isinstance(exception, SIGTERMException):
+            return  # a preemption or requeue, not a failure: the strategy says which signal, step and checkpoint
         if self.summary_on_exception and self.last is not None:
-            path = self.write_summary(trainer, tag="exception")
-            rank_zero_info(f"MemoryMonitor: memory summary at the failure written to {path.parent}")
+            directory = self._directory or Path(self.summary_dir or trainer.default_root_dir)
+            path = self.write_summary(trainer, tag="exception", directory=directory)
+            log.info(f"MemoryMonitor: rank {trainer.global_rank}'s memory at the failure written to {path}")
 
     # ---- reporting -------------------------------------------------------------------------------------
     def _log(self, trainer: Any, module: Any, sample: MemorySample) -> None:
@@ -356,9 +369,10 @@ class MemoryMonitor(Callback):
                 parts.append(format_sample(sample, title=f"rank {trainer.global_rank} {title}"))
         return "\n".join(parts)
 
-    def write_summary(self, trainer: Any, *, tag: str = "now") -> Path:
-        """Write :meth:`memory_summary` to ``<summary_dir>/memory_summary.<tag>.rank<r>.txt`` (on demand too)."""
-        directory = Path(self.summary_dir or trainer.log_dir or trainer.default_root_dir)
+    def write_summary(self, trainer: Any, *, tag: str = "now", directory: Path | None = None) -> Path:
+        """Write :meth:`memory_summary` to ``<summary_dir>/memory_summary.<tag>.rank<r>.txt`` (on demand too; without
+        ``directory`` a collective when ``summary_dir`` is unset: ``trainer.log_dir`` broadcasts rank 0's)."""
+        directory = directory or Path(self.summary_dir or trainer.log_dir or trainer.default_root_dir)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"memory_summary.{tag}.rank{trainer.global_rank}.txt"
         path.write_text(self.memory_summary(trainer))

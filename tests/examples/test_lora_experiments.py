@@ -23,18 +23,40 @@ BASE = REPO / "examples" / "assets" / "tiny-llama"
 DOMAINS = ["medical_lora"]
 
 
+CHECKPOINTED = "medical_lora_checkpointed"
+"""The medical experiment again with ``strategy.activation_checkpointing=auto`` (no generation): it must train
+exactly as the run without checkpointing."""
+RUNS = {domain: [f"experiment={domain}"] for domain in DOMAINS} | {
+    CHECKPOINTED: ["experiment=medical_lora", "strategy.activation_checkpointing=auto", "generate.num_prompts=0"]
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     runs = {}
-    for domain in DOMAINS:  # single runs: a multirun would start one more process (the job) per experiment
-        run_dir = tmp_path_factory.mktemp(domain)
-        command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", f"experiment={domain}",
+    for name, overrides in RUNS.items():  # single runs: a multirun would start one more process (the job) per run
+        run_dir = tmp_path_factory.mktemp(name)
+        command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", *overrides,
                    "trainer.max_steps=45", "trainer.val_check_interval=45", "trainer.enable_progress_bar=false",
                    f"hydra.run.dir={run_dir}"]  # fmt: skip
         proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, failure_excerpt(proc.stderr)
-        runs[domain] = run_dir
+        runs[name] = run_dir
     return runs
+
+
+def test_the_experiment_with_activation_checkpointing_trains_exactly_as_without(runs):
+    """The instruction data (padding, masks, prompt masking) through checkpointed decoder layers: the same losses
+    and the same adapter, to the bit, after 45 AdamW steps."""
+    from safetensors.torch import load_file
+
+    plain, checkpointed = (json.loads((runs[n] / "metrics.json").read_text()) for n in ("medical_lora", CHECKPOINTED))
+    assert checkpointed["activation_checkpointing"] and not plain["activation_checkpointing"]
+    for key in ("train_loss", "val_loss", "base_val_loss"):
+        assert checkpointed[key] == pytest.approx(plain[key], abs=1e-6), key
+    adapters = [load_file(runs[n] / "adapter" / "adapter_model.safetensors") for n in ("medical_lora", CHECKPOINTED)]
+    assert adapters[0].keys() == adapters[1].keys()
+    assert max((adapters[0][k] - adapters[1][k]).abs().max().item() for k in adapters[0]) <= 1e-6
 
 
 @pytest.mark.parametrize("domain", DOMAINS)

@@ -88,13 +88,14 @@ def report_failure(exception: BaseException) -> tuple[FailureRecord, FailureReco
     mine = _reported.get(id(exception)) or describe(exception)
     _reported[id(exception)] = mine
     store = _store()
+    seen = _watch.seen if _watch is not None else None  # read before the store's host (rank 0) was gone
     if store is None:
-        return mine, mine
+        return mine, seen or mine
     try:
         stored = store.compare_set(FIRST_KEY, "", json.dumps(asdict(mine)))
         first = FailureRecord(**json.loads(stored))
     except Exception:  # the store's host is gone: it failed first, or ended
-        return mine, mine
+        return mine, seen or mine
     if first == mine and _watch is not None:
         _watch.wait_for_readers()
     return mine, first

@@ -44,17 +44,21 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}/stat").is_file() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
 
 
-@pytest.mark.parametrize("where", ["forward", "backward", "optimizer", "validation", "checkpoint", "resumed"])
-def test_one_rank_failing_in_a_plain_trainer_script_ends_every_rank_with_its_message(tmp_path, where):
-    proc = subprocess.run([sys.executable, str(FAULT_RUN), "--where", where, "--out", str(tmp_path)], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=180)  # fmt: skip
+POINTS = [(where, 1) for where in ("forward", "backward", "optimizer", "validation", "checkpoint", "resumed")]
+POINTS.append(("backward", 0))  # rank 0: Lightning's launcher process, and the store's host
+
+
+@pytest.mark.parametrize(("where", "failing"), POINTS)
+def test_one_rank_failing_in_a_plain_trainer_script_ends_every_rank_with_its_message(tmp_path, where, failing):
+    command = [sys.executable, str(FAULT_RUN), "--where", where, "--rank", str(failing), "--out", str(tmp_path)]
+    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0 and (tmp_path / "injected.json").is_file(), failure_excerpt(output)
     seconds = all_gone_after_injection(tmp_path)
     assert seconds < DEADLINE_S, f"ranks still running {seconds:.0f} s after the failure:\n{failure_excerpt(output)}"
-    message = f"injected failure at {where} on rank 1"
+    message = f"injected failure at {where} on rank {failing}"
     assert f"InjectedFailure: {message}" in output  # the failing rank's own traceback, on the console
-    assert f"rank 1 failed first: InjectedFailure: {message}" in output  # rank 0 says who failed first
+    assert f"rank {failing} failed first: InjectedFailure: {message}; rank {1 - failing} stopped because" in output
     assert "Timed out" not in output
 
 

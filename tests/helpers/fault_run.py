@@ -53,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--where", choices=POINTS, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rank", type=int, default=1, help="the rank that fails")
     args = parser.parse_args()
     seed_everything(0)
     data = InstructionDataModule(tokenizer=TOKENIZER, train_files=[f"{DATA}/train.jsonl"],
@@ -60,7 +61,7 @@ def main() -> None:
     config = {"model_type": "llama", "vocab_size": len(data.tokenizer), "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 4, "num_attention_heads": 4}  # fmt: skip
     module = CausalLMModule(build_causal_lm(config=config))
-    fault = FailOnRank(where=args.where, out=str(args.out), step=0 if args.where == "checkpoint" else 1)
+    fault = FailOnRank(where=args.where, rank=args.rank, out=str(args.out), step=0 if args.where == "checkpoint" else 1)
     if args.where == "resumed":
         trainer(args.out, steps=2, callbacks=[]).fit(module, datamodule=data)
         module = CausalLMModule(build_causal_lm(config=config))

@@ -12,6 +12,12 @@ random token batches and returns this rank's measurements (``StepClock.summary``
 * ``gpt_<one of those three>_full_shard``: the same on a small GPT (GPT-2, 4 layers, 256 wide, 50257-token
   vocabulary, 8 x 128 tokens per rank, 4 x 128 with ``--quick``), whose tied embedding makes the root unit most of
   the model;
+* ``plain_gpt_<one of those three>_full_shard``: the same on issue 31's hand-written GPT (``plain_gpt.py``: no
+  transformers, 2048-token vocabulary, 8 x 128 tokens per rank); ``plain_gpt_lightning_model_parallel_default_mesh``
+  is ``ModelParallelStrategy()`` with its default sizes — ``data_parallel_size`` = nodes (1), tensor-parallel =
+  devices — and the ``fully_shard`` calls on its ``data_parallel`` mesh: a mesh of one rank, so nothing is
+  sharded and nothing communicated (every rank trains a whole copy). It is shown, never used as a reference: that
+  mesh was the "1.3x faster" ``ModelParallelStrategy`` of issue 31;
 * ``lightning_ddp``, ``lightning_fsdp``: Lightning's DDP and FSDP1 strategies;
 * ``lora_{int8,nf4,bf16}_{replicated,sharded}``: LoRA r=16 on all projections over an int8, NF4 or bf16 base,
   base replicated (``lora_only=True``) or sharded, in ``bf16-true``; ``lora_int8_replicated_per_layer``
@@ -20,8 +26,10 @@ random token batches and returns this rank's measurements (``StepClock.summary``
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +47,7 @@ from benchmarks.harness import (
     StepClock,
     all_gathers_by_kind,
 )
+from benchmarks.plain_gpt import PlainGPT, PlainGPTConfig
 from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.memory import SavedActivations
@@ -53,10 +62,17 @@ SIZES = {
     # GPT-2's vocabulary and tied embedding on a 4-layer 256-wide body: the root unit (embedding = lm_head, 12.9M
     # of 16M parameters) dominates, so what happens to it between forward and backward shows
     "gpt": {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 50257, "seq": 128},
+    # issue 31's hand-written GPT: no transformers, an untied 2048-token head
+    "plain_gpt": {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 2048, "seq": 128},
 }
 GPT_BATCH_SIZE = 8
 """Sequences per rank and step of the small GPT (half with ``--quick``)."""
 LR = 1e-4
+CLIP = 1.0
+LOG_DIR = str(Path(tempfile.gettempdir()) / "fsdp_plus_benchmark_logs")
+"""Where Lightning's default logger writes (not the working directory)."""
+"""``gradient_clip_val`` (norm) of every case, as users run: Lightning's cases clip through their strategy, the
+hand-written loop with ``torch.nn.utils.clip_grad_norm_``."""
 
 
 @dataclass
@@ -72,6 +88,8 @@ class Setting:
     hybrid_shard_size: int = 1
     profile_steps: int = 0
     """Steps after warm-up run under ``torch.profiler`` (before the measured ones)."""
+    clip: float = CLIP
+    """``gradient_clip_val`` (norm) of every case; 0: no clipping."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -84,9 +102,17 @@ class Setting:
         """True for the small GPT (GPT-2 architecture), else a Llama."""
         return self.size is SIZES["gpt"]
 
-    def config(self) -> PretrainedConfig:
-        """The Llama or GPT-2 config (no download; no dropout, so every case computes the same)."""
+    @property
+    def is_plain_gpt(self) -> bool:
+        """True for issue 31's hand-written GPT."""
+        return self.size is SIZES["plain_gpt"]
+
+    def config(self) -> PretrainedConfig | PlainGPTConfig:
+        """The Llama, GPT-2 or plain GPT config (no download; no dropout, so every case computes the same)."""
         size = self.size
+        if self.is_plain_gpt:
+            return PlainGPTConfig(vocab_size=size["vocab_size"], hidden_size=size["hidden_size"],
+                                  num_hidden_layers=size["num_hidden_layers"])  # fmt: skip
         if self.is_gpt:
             return GPT2Config(n_embd=size["hidden_size"], n_layer=size["num_hidden_layers"], n_head=4,
                               n_positions=size["seq"], vocab_size=size["vocab_size"], resid_pdrop=0.0,
@@ -100,6 +126,11 @@ class Setting:
         quick = self.size is SIZES["quick"]
         return replace(self, size=SIZES["gpt"], batch_size=GPT_BATCH_SIZE // (2 if quick else 1), warmup=2,
                        steps=min(self.steps, 6 if quick else 10))  # fmt: skip
+
+    def plain_gpt(self) -> Setting:
+        """The same run on issue 31's plain GPT, 8 x 128 tokens per rank (4 x 128 from the ``quick`` size)."""
+        quick = self.size is SIZES["quick"]
+        return replace(self, size=SIZES["plain_gpt"], batch_size=GPT_BATCH_SIZE // (2 if quick else 1))
 
     def loader(self) -> DataLoader:
         """This rank's batches (every rank its own slice of the same stream)."""
@@ -129,13 +160,17 @@ class RandomTokens(Dataset):
         return self.data[i]
 
 
-def _model(setting: Setting) -> LlamaForCausalLM | GPT2LMHeadModel:
+def _model(setting: Setting) -> LlamaForCausalLM | GPT2LMHeadModel | PlainGPT:
     seed_everything(0, verbose=False)
+    if setting.is_plain_gpt:
+        return PlainGPT(setting.config())
     return (GPT2LMHeadModel if setting.is_gpt else LlamaForCausalLM)(setting.config())
 
 
 def blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder layers a hand-written ``fully_shard`` loop shards one by one (Llama's or GPT-2's)."""
+    """The decoder layers a hand-written ``fully_shard`` loop shards one by one (Llama's, GPT-2's, the plain GPT's)."""
+    if isinstance(model, PlainGPT):
+        return model.blocks
     return model.transformer.h if isinstance(model, GPT2LMHeadModel) else model.model.layers
 
 
@@ -148,7 +183,8 @@ def _trainer(
         devices=setting.world_size,
         precision=precision,
         max_steps=setting.total_steps,
-        logger=False,
+        gradient_clip_val=setting.clip or None,
+        default_root_dir=LOG_DIR,  # Lightning's default logger (TensorBoard, else CSV) and logging, as users run
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -232,6 +268,8 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
             clock.mark("backward")
             memory.sample()
             clock.mark("optimizer_start")
+            if setting.clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), setting.clip)
             optimizer.step()
             optimizer.zero_grad()
             clock.end(batch.numel())
@@ -289,6 +327,23 @@ def lightning_model_parallel(setting: Setting, sharding_strategy: str) -> dict[s
     return _fit(setting, strategy, _UserShardedLM(_model(setting), lr=LR, sharding=sharding, layout=layout))
 
 
+class _DefaultMeshLM(CausalLMModule):
+    """``fully_shard`` on ``self.device_mesh["data_parallel"]``, as Lightning's FSDP2 examples write it."""
+
+    def configure_model(self) -> None:
+        shard_by_hand(self.model, mesh=self.device_mesh["data_parallel"], strategy=ShardingStrategy.FULL_SHARD)
+
+
+def lightning_model_parallel_default_mesh(setting: Setting) -> dict[str, Any]:
+    """``ModelParallelStrategy()`` with its default sizes: on one node its data-parallel mesh has one rank, so the
+    ``fully_shard`` calls shard nothing (``sharded_ranks`` says so). Not a reference."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    module = _DefaultMeshLM(_model(setting), lr=LR)
+    result = _fit(setting, ModelParallelStrategy(), module)
+    return {**result, "sharded_over_ranks": next(module.model.parameters()).device_mesh.size()}
+
+
 def _is_lora_layer(module: torch.nn.Module) -> bool:
     from peft.tuners.lora import LoraLayer
 
@@ -317,6 +372,10 @@ def _on_gpt(case: Callable[[Setting], dict[str, Any]]) -> Callable[[Setting], di
     return lambda setting: case(setting.gpt())
 
 
+def _on_plain_gpt(case: Callable[[Setting], dict[str, Any]]) -> Callable[[Setting], dict[str, Any]]:
+    return lambda setting: case(setting.plain_gpt())
+
+
 REFERENCES = ("fsdp2_loop", "lightning_model_parallel")
 """The hand-written FSDP2 runs every ``fsdp_plus_<strategy>`` case is compared with (the faster of the two)."""
 
@@ -327,6 +386,9 @@ CASES: dict[str, Callable[[Setting], dict[str, Any]]] = {
     **{f"{kind}_{s.lower()}": _bind(fn, s) for s in STRATEGIES for kind, fn in _FSDP2.items()},
     # the small GPT, FULL_SHARD: fsdp_plus and both references
     **{f"gpt_{kind}_full_shard": _on_gpt(_bind(fn, "FULL_SHARD")) for kind, fn in _FSDP2.items()},
+    # issue 31's plain GPT, FULL_SHARD: fsdp_plus, both references, and ModelParallelStrategy's default mesh
+    **{f"plain_gpt_{kind}_full_shard": _on_plain_gpt(_bind(fn, "FULL_SHARD")) for kind, fn in _FSDP2.items()},
+    "plain_gpt_lightning_model_parallel_default_mesh": _on_plain_gpt(lightning_model_parallel_default_mesh),
     "lightning_ddp": lightning_ddp,
     "lightning_fsdp": lightning_fsdp,
     "lora_int8_replicated": _bind(lora, base="int8", lora_only=True),

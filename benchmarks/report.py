@@ -39,7 +39,11 @@ def _per_rep(rep: dict[str, Any]) -> dict[str, Any]:
         "activation_bytes_per_rank": max(r["activation_bytes"] for r in ranks),
         **({"preempt_check_s": max(r["preempt_check_s"] for r in ranks)} if "preempt_check_s" in ranks[0] else {}),
         **({"profile_s": ranks[0]["profile_s"]} if "profile_s" in ranks[0] else {}),  # rank 0's
+        **({"sharded_over_ranks": ranks[0]["sharded_over_ranks"]} if "sharded_over_ranks" in ranks[0] else {}),
     }
+
+
+_KEPT = ("comm_per_step", "sharded_over_ranks")
 
 
 def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -56,7 +60,7 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "step_time_s": _spread([r["step_time_s"] for r in reps[name]]),
             "tokens_per_s": _spread([r["tokens_per_s"] for r in reps[name]]),
             "phases_s": {p: statistics.median(r["phases_s"][p] for r in reps[name]) for p in PHASES},
-            **{k: v for k, v in reps[name][-1].items() if k.endswith("_per_rank") or k == "comm_per_step"},
+            **{k: v for k, v in reps[name][-1].items() if k.endswith("_per_rank") or k in _KEPT},
         }
         if "preempt_check_s" in first:
             cases[name]["preempt_check_s"] = statistics.median(r["preempt_check_s"] for r in reps[name])
@@ -68,17 +72,22 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             "nf4_vs_bf16_base": _base_ratio(cases, "nf4")}  # fmt: skip
 
 
+MODEL_LABELS = {"": "", "gpt_": "GPT ", "plain_gpt_": "PLAIN GPT "}
+"""Case-name prefix of each benchmarked model and its label in the overhead table."""
+
+
 def comparisons(names: list[str]) -> list[tuple[str, str, list[str]]]:
-    """``(label, fsdp_plus case, its reference cases present)`` for every ``[gpt_]fsdp_plus_<strategy>`` case:
-    the references are ``[gpt_]<reference>_<strategy>`` (label ``FULL_SHARD``, or ``GPT FULL_SHARD``)."""
+    """``(label, fsdp_plus case, its reference cases present)`` for every ``[gpt_|plain_gpt_]fsdp_plus_<strategy>``
+    case: the references are ``<same prefix><reference>_<strategy>`` (label ``FULL_SHARD``, ``GPT FULL_SHARD`` or
+    ``PLAIN GPT FULL_SHARD``)."""
     out = []
     for name in names:
         model, marker, strategy = name.partition("fsdp_plus_")
-        if not marker or model not in ("", "gpt_"):
+        if not marker or model not in MODEL_LABELS:
             continue
         refs = [f"{model}{ref}_{strategy}" for ref in REFERENCES if f"{model}{ref}_{strategy}" in names]
         if refs:
-            out.append(((f"GPT {strategy}" if model else strategy).upper(), name, refs))
+            out.append((f"{MODEL_LABELS[model]}{strategy}".upper(), name, refs))
     return out
 
 
@@ -147,6 +156,10 @@ def to_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
             f" | {_mib(comm.get('reduce_scatter', 0))} | {_mib(comm.get('all_reduce', 0))}"
             f" | {_mib(case['model_state_bytes_per_rank'])} | {_mib(case['tensor_peak_bytes_per_rank'])} |"
         )
+    for name, case in results["cases"].items():
+        if case.get("sharded_over_ranks") == 1:
+            lines += ["", f"{name}: its parameters are sharded over 1 rank — nothing sharded, nothing communicated"
+                          " (every rank trains a whole copy); shown, never a reference."]  # fmt: skip
     ratios = results["overhead_vs_best_reference"]
     lines += [
         "",

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.cases import CASES, SIZES, Setting
+from benchmarks.cases import CASES, CLIP, SIZES, Setting
 from benchmarks.report import aggregate, write_reports
 from lightning_fsdp_plus._dist import all_gather_object, shutdown
 
@@ -48,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of: " + ", ".join(CASES))
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/run"))
     parser.add_argument("--steps", type=int, default=None, help="measured steps per case (default 30 quick, 20 full)")
+    parser.add_argument(
+        "--clip", type=float, default=CLIP, help=f"gradient_clip_val (norm) of every case (default {CLIP}; 0: none)"
+    )
     args = parser.parse_args(argv)
     unknown = [c for c in args.cases.split(",") if c not in CASES]
     if unknown:
@@ -78,6 +81,7 @@ def _setting(args: argparse.Namespace) -> Setting:
         world_size=dist.get_world_size(),
         accelerator=args.accelerator,
         hybrid_shard_size=max(1, dist.get_world_size() // 2),
+        clip=args.clip,
     )
 
 
@@ -94,6 +98,7 @@ def _meta(args: argparse.Namespace, setting: Setting, argv: list[str]) -> dict[s
         "batch_size_per_rank": setting.batch_size,
         "warmup_steps": setting.warmup,
         "measured_steps": setting.steps,
+        "gradient_clip_val": setting.clip or None,
     }
 
 

@@ -118,8 +118,8 @@ class FSDPPlusOptions:
     use_orig_params: bool = True
     """Must be ``True``: FSDP2 always keeps the original parameters (names, ``requires_grad``)."""
     log_grad_norm: bool = True
-    """Log the pre-clip global gradient norm as ``grad_norm`` on the steps the trainer logs (``log_every_n_steps``;
-    every step when norm clipping measures it anyway). Measuring costs a pass over the gradients and an all-reduce."""
+    """Log the pre-clip global gradient norm as ``grad_norm`` on the steps the trainer logs (``log_every_n_steps``).
+    Measuring it costs a pass over the gradients and an all-reduce, unless norm clipping measures it anyway."""
     start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen"
     """``popen`` re-runs your script per rank (like ``ddp``); ``spawn``, ``fork``, ``forkserver`` use
     multiprocessing."""

@@ -34,10 +34,14 @@ def test_each_repetition_divides_by_the_faster_reference_and_the_gpt_case_has_it
         "lightning_model_parallel_full_shard": [0.95, 1.20],  # faster in the first repetition only
         "gpt_fsdp_plus_full_shard": [2.0, 2.0],
         "gpt_fsdp2_loop_full_shard": [2.0, 2.0],
+        "plain_gpt_fsdp_plus_full_shard": [1.0, 1.0],
+        "plain_gpt_lightning_model_parallel_full_shard": [0.5, 0.5],
+        "plain_gpt_lightning_model_parallel_default_mesh": [0.1, 0.1],  # shards nothing: never a reference
         "lora_int8_sharded": [0.5, 0.5],  # no reference: no row
     })  # fmt: skip
     ratios = aggregate(runs)["overhead_vs_best_reference"]
-    assert set(ratios) == {"FULL_SHARD", "GPT FULL_SHARD"}
+    assert set(ratios) == {"FULL_SHARD", "GPT FULL_SHARD", "PLAIN GPT FULL_SHARD"}
+    assert ratios["PLAIN GPT FULL_SHARD"]["reference"] == "plain_gpt_lightning_model_parallel_full_shard"
     assert ratios["FULL_SHARD"]["reference"] == "fsdp2_loop_full_shard"
     # each repetition against that reference (the minimum of two noisy times would be biased low)
     assert ratios["FULL_SHARD"]["per_repetition"] == pytest.approx([1.00 / 1.00, 1.10 / 1.05])

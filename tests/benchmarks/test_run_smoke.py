@@ -9,12 +9,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.harness import PYTHON
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 CASES = (
     "fsdp_plus_full_shard,fsdp2_loop_full_shard,lightning_model_parallel_full_shard,lightning_fsdp,lightning_ddp,"
-    "lora_int8_sharded,lora_bf16_sharded"
+    "lora_int8_sharded,lora_bf16_sharded,plain_gpt_fsdp_plus_full_shard,plain_gpt_lightning_model_parallel_default_mesh"
 )
 
 
@@ -25,6 +27,7 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path):
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["meta"]["world_size"] == 2 and results["meta"]["repetitions"] == 1
+    assert results["meta"]["gradient_clip_val"] == 1.0  # every case clips by norm, as users run
     cases = results["cases"]
     assert set(cases) == set(CASES.split(","))
     assert cases["lightning_fsdp"]["refused"].startswith("ValueError")  # Lightning's FSDP refuses CPU
@@ -33,11 +36,17 @@ def test_quick_run_writes_json_markdown_and_png(tmp_path):
         assert case["step_time_s"]["median"] > 0 and case["tokens_per_s"]["median"] > 0
         assert case["model_state_bytes_per_rank"] > 0 and case["tensor_peak_bytes_per_rank"] > 0
     assert cases["fsdp_plus_full_shard"]["comm_per_step"]["all_gather"] > 0
+    # ModelParallelStrategy's default mesh on one node: a data-parallel mesh of one rank shards nothing (issue 31)
+    default_mesh = cases["plain_gpt_lightning_model_parallel_default_mesh"]
+    assert default_mesh["sharded_over_ranks"] == 1 and not any(default_mesh["comm_per_step"].values())
+    plain = cases["plain_gpt_fsdp_plus_full_shard"]
+    assert plain["comm_per_step"]["all_gather"] > 0 and 2 * plain["model_state_bytes_per_rank"] == pytest.approx(
+        default_mesh["model_state_bytes_per_rank"], rel=0.01)  # fmt: skip
     assert cases["lightning_ddp"]["comm_per_step"]["all_reduce"] > 0  # counted through DDP's comm hook
     int8, bf16 = cases["lora_int8_sharded"]["comm_per_step"], cases["lora_bf16_sharded"]["comm_per_step"]
     assert int8["all_gather"] < 0.7 * bf16["all_gather"]
     ratio = results["overhead_vs_best_reference"]["FULL_SHARD"]
-    assert set(results["overhead_vs_best_reference"]) == {"FULL_SHARD"} and ratio["median"] > 0
+    assert set(results["overhead_vs_best_reference"]) == {"FULL_SHARD"} and ratio["median"] > 0  # no plain reference
     assert ratio["reference"] in ("fsdp2_loop_full_shard", "lightning_model_parallel_full_shard")
     # the (last) repetition profiled every case: torch ops and the time outside them, per step
     profile = cases["fsdp_plus_full_shard"]["profile_s"]

@@ -46,6 +46,7 @@ from lightning_fsdp_plus.checkpoint import (
 from lightning_fsdp_plus.failures import announce_failure, start_failure_watch
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import find_peft_model
+from lightning_fsdp_plus.memory.allocator import report_allocator_once
 from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring
 from lightning_fsdp_plus.pipeline import (
     batch_norms,
@@ -370,6 +371,8 @@ class FSDPPlusStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self.root_device.type == "cpu":
+            report_allocator_once()  # glibc's malloc can hold 2-3x a rank's tensors on CPU (memory/allocator.py)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1)."

@@ -9,6 +9,13 @@ want=$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)
 if [ -x .venv/bin/python ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+# tcmalloc for CPU runs (scripts/malloc.sh preloads it), from Debian's packages where we may install them; optional
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1 \
+   || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; }) \
+   || echo "setup_env: libtcmalloc-minimal4 not installed (optional: runs use glibc's malloc)" >&2
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: it must be the CPU build, not a CUDA one pulled in by another package's range

@@ -16,6 +16,7 @@ import torch.distributed.nn.functional
 import torch.distributed.optim  # noqa: F401
 
 from lightning_fsdp_plus._private import clear_dtensor_caches
+from lightning_fsdp_plus.failures import stop_failure_watch
 
 
 def initialized() -> bool:
@@ -51,8 +52,6 @@ def shutdown() -> None:
     drops torch's own references; DTensor's caches and reference cycles (trainer, strategy, model) hold the
     rest, so both are cleared here too.
     """
-    from lightning_fsdp_plus.failures import stop_failure_watch
-
     stop_failure_watch()
     if initialized():
         dist.destroy_process_group()

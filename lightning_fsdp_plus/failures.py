@@ -64,7 +64,7 @@ class FailureRecord:
         return f"rank {self.rank} failed first: {self.error}"
 
 
-_reported: dict[int, FailureRecord] = {}  # id(exception) -> this rank's record (Lightning and the app both report)
+_last: tuple[BaseException, FailureRecord, FailureRecord] | None = None  # the strategy and the app report the same
 _watch: FailureWatch | None = None
 
 
@@ -85,20 +85,27 @@ def report_failure(exception: BaseException) -> tuple[FailureRecord, FailureReco
     Talks to the store only, never to other ranks' collectives; waits at most :data:`ACK_WAIT_S` for the other
     ranks to read a failure this rank is the first to report.
     """
-    mine = _reported.get(id(exception)) or describe(exception)
-    _reported[id(exception)] = mine
+    global _last
+    if _last is not None and _last[0] is exception:
+        return _last[1], _last[2]
+    mine = describe(exception)
+    first = _record(mine)
+    if first == mine and _watch is not None:
+        _watch.wait_for_readers()
+    _last = (exception, mine, first)
+    return mine, first
+
+
+def _record(mine: FailureRecord) -> FailureRecord:
+    """Put ``mine`` in the store unless a failure is there already; the run's first failure."""
     store = _store()
     seen = _watch.seen if _watch is not None else None  # read before the store's host (rank 0) was gone
     if store is None:
-        return mine, seen or mine
+        return seen or mine
     try:
-        stored = store.compare_set(FIRST_KEY, "", json.dumps(asdict(mine)))
-        first = FailureRecord(**json.loads(stored))
+        return FailureRecord(**json.loads(store.compare_set(FIRST_KEY, "", json.dumps(asdict(mine)))))
     except Exception:  # the store's host is gone: it failed first, or ended
-        return mine, seen or mine
-    if first == mine and _watch is not None:
-        _watch.wait_for_readers()
-    return mine, first
+        return seen or mine
 
 
 def announce_failure(exception: BaseException) -> tuple[FailureRecord, FailureRecord]:

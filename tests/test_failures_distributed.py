@@ -62,6 +62,25 @@ def test_one_rank_failing_in_a_plain_trainer_script_ends_every_rank_with_its_mes
     assert "Timed out" not in output
 
 
+def test_a_rank_busy_outside_any_collective_is_ended_by_its_watch(tmp_path):
+    """Rank 0 fails at the start of a step while rank 1 sleeps outside any collective (slow I/O, a hang: what NCCL
+    can leave a rank doing until its timeout). No collective can fail there, and Lightning's launcher watches its
+    children only from rank 0, which is gone: rank 1's watch reads rank 0's failure from the store, shows where its
+    threads are and ends the process after its grace period."""
+    from lightning_fsdp_plus.failures import GRACE_S
+
+    command = [sys.executable, str(FAULT_RUN), "--where", "batch_start", "--rank", "0", "--stall", "600", "--out",
+               str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and (tmp_path / "injected.json").is_file(), failure_excerpt(output)
+    seconds = all_gone_after_injection(tmp_path)
+    assert GRACE_S <= seconds < DEADLINE_S, f"{seconds:.1f} s:\n{failure_excerpt(output)}"
+    assert "rank 0 failed first: InjectedFailure: injected failure at batch_start on rank 0" in output
+    assert f"[rank 1] still running {GRACE_S:g} s later; where its threads are:" in output
+    assert "in on_train_batch_start" in output  # faulthandler's dump: the sleeping callback
+
+
 def test_one_rank_failing_in_the_app_writes_its_traceback_to_failed_txt_and_every_rank_ends(tmp_path):
     run_dir = tmp_path / "run"
     env = {**subprocess_env(), "FAULT_OUT": str(tmp_path)}

@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--where", choices=POINTS, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rank", type=int, default=1, help="the rank that fails")
+    parser.add_argument("--stall", type=float, default=0.0, help="with --where batch_start: the other rank sleeps")
     args = parser.parse_args()
     seed_everything(0)
     data = InstructionDataModule(tokenizer=TOKENIZER, train_files=[f"{DATA}/train.jsonl"],
@@ -61,7 +62,8 @@ def main() -> None:
     config = {"model_type": "llama", "vocab_size": len(data.tokenizer), "hidden_size": 64, "intermediate_size": 128,
               "num_hidden_layers": 4, "num_attention_heads": 4}  # fmt: skip
     module = CausalLMModule(build_causal_lm(config=config))
-    fault = FailOnRank(where=args.where, rank=args.rank, out=str(args.out), step=0 if args.where == "checkpoint" else 1)
+    step = 0 if args.where == "checkpoint" else 1
+    fault = FailOnRank(where=args.where, rank=args.rank, out=str(args.out), step=step, stall_s=args.stall)
     if args.where == "resumed":
         trainer(args.out, steps=2, callbacks=[]).fit(module, datamodule=data)
         module = CausalLMModule(build_causal_lm(config=config))

@@ -18,10 +18,10 @@ from pathlib import Path
 from lightning.pytorch import Callback
 from torch.distributed.fsdp import FSDPModule
 
-POINTS = ("forward", "backward", "optimizer", "validation", "checkpoint", "resumed")
+POINTS = ("forward", "backward", "optimizer", "validation", "checkpoint", "resumed", "batch_start")
 """Where the failure can be injected: inside a unit's forward, inside a unit's backward (the other rank is then in
 its reduce-scatter), before the optimizer step, in a validation batch, while a checkpoint is saved, in the first
-step after a resume."""
+step after a resume, at the start of a batch (before any collective of the step)."""
 
 
 class InjectedFailure(RuntimeError):
@@ -32,10 +32,12 @@ class FailOnRank(Callback):
     """Raise :class:`InjectedFailure` on ``rank`` at ``where`` (one of :data:`POINTS`) during step ``step`` (or the
     first validation batch after it, or the first checkpoint save)."""
 
-    def __init__(self, *, where: str, rank: int = 1, step: int = 1, out: str | None = None) -> None:
+    def __init__(
+        self, *, where: str, rank: int = 1, step: int = 1, out: str | None = None, stall_s: float = 0.0
+    ) -> None:
         if where not in POINTS:
             raise ValueError(f"where={where!r} is not one of {', '.join(POINTS)}")
-        self.where, self.rank, self.step = where, rank, step
+        self.where, self.rank, self.step, self.stall_s = where, rank, step, stall_s
         self.out = Path(out or os.environ.get("FAULT_OUT", "."))
         self.armed = False
         self._resumed_at: int | None = None
@@ -73,6 +75,10 @@ class FailOnRank(Callback):
             unit.register_forward_hook(hook)
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if self.where == "batch_start" and trainer.global_step == self.step:
+            if trainer.global_rank != self.rank:
+                time.sleep(self.stall_s)  # a rank busy outside any collective (slow I/O, a hang): only a watch ends it
+            self._fail(trainer)
         if self.where == "resumed":
             self.armed = self._resumed_at is not None and trainer.global_step == self._resumed_at
         else:

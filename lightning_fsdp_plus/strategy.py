@@ -331,6 +331,8 @@ class FSDPPlusStrategy(ParallelStrategy):
         atexit.unregister(shutdown)  # once per process, however many fits
         atexit.register(shutdown)
         start_failure_watch()  # one rank's error ends every rank within seconds (failures.py)
+        if self.root_device.type == "cpu":
+            report_allocator_once()  # glibc's malloc can hold 2-3x a rank's tensors on CPU (memory/allocator.py)
         self._device_mesh = build_mesh(
             layout=self.mesh_layout, device_type=self.root_device.type, given=self.options.device_mesh
         )
@@ -371,8 +373,6 @@ class FSDPPlusStrategy(ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if self.root_device.type == "cpu":
-            report_allocator_once()  # glibc's malloc can hold 2-3x a rank's tensors on CPU (memory/allocator.py)
         if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
             raise TypeError(
                 "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1)."

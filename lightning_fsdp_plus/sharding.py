@@ -119,6 +119,8 @@ def _forward_signature(cls: type) -> inspect.Signature:
 def _without_cache_under_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
     if not torch.is_grad_enabled() or getattr(module, "_can_checkpoint_with_cache", False):
         return None  # no backward, no recomputation; or a layer that only reads its cache
+    if len(args) <= 1 and not kwargs.get("use_cache") and all(kwargs.get(n) is None for n in CACHE_ARGUMENTS):
+        return None  # nothing to drop (the app's use_cache=False): no signature binding per layer call
     try:
         bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
     except TypeError:

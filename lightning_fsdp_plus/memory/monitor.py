@@ -370,8 +370,10 @@ class MemoryMonitor(Callback):
         return "\n".join(parts)
 
     def write_summary(self, trainer: Any, *, tag: str = "now", directory: Path | None = None) -> Path:
-        """Write :meth:`memory_summary` to ``<summary_dir>/memory_summary.<tag>.rank<r>.txt`` (on demand too; without
-        ``directory`` a collective when ``summary_dir`` is unset: ``trainer.log_dir`` broadcasts rank 0's)."""
+        """Write :meth:`memory_summary` to ``<summary_dir>/memory_summary.<tag>.rank<r>.txt`` (on demand too). The
+        directory resolved in :meth:`setup` is reused; before it, ``trainer.log_dir`` is a collective when
+        ``summary_dir`` is unset (a broadcast of rank 0's)."""
+        directory = directory or self._directory
         directory = directory or Path(self.summary_dir or trainer.log_dir or trainer.default_root_dir)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"memory_summary.{tag}.rank{trainer.global_rank}.txt"

@@ -70,11 +70,13 @@ def load_config(path: Any) -> Any:
 
 def build_meta_model(hf_config: Any, *, dtype: torch.dtype, options: FSDPPlusOptions) -> CausalLMHolder:
     """The config's causal LM on the meta device in a holder, through the pipeline's prepare and quantize stages
-    (everything trains when no LoRA is configured)."""
+    (everything trains when no LoRA is configured). Built in ``dtype`` whatever the config's own ``dtype`` says
+    (transformers' ``from_config`` follows the config, and hub configs say bfloat16: activations would be counted
+    at half their size under ``32-true``)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"), _DtypeContextManager(dtype):
-        holder = CausalLMHolder(AutoModelForCausalLM.from_config(hf_config))
+        holder = CausalLMHolder(AutoModelForCausalLM.from_config(hf_config, dtype=dtype))
         if options.lora is None:
             holder.requires_grad_(True)
         try:

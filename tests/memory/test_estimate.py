@@ -134,6 +134,19 @@ def test_fake_forward_counts_the_same_activations_as_a_real_one(tmp_path, precis
     assert (real < full) is checkpointing
 
 
+def test_a_config_that_says_bfloat16_is_counted_in_the_precision_s_dtype(tmp_path):
+    # hub configs carry dtype=bfloat16 and transformers' from_config follows it; a 32-true run computes in fp32
+    model = tiny_llama()
+    model.config.dtype = torch.bfloat16
+    model.config.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    ids = torch.randint(0, model.config.vocab_size, (3, 16))
+    real = count_activations(lambda: model(input_ids=ids, labels=ids).loss, precision="32-true")
+    description, _ = estimate_memory(config=tmp_path, world_size=2, precision="32-true", batch_size=3, seq_len=16)
+    assert next(model.parameters()).dtype == torch.float32
+    assert description.activation_bytes == real
+
+
 def test_padded_batches_take_the_masked_attention_path_and_save_more(tmp_path):
     model = tiny_llama()
     model.config.save_pretrained(tmp_path)

@@ -61,9 +61,9 @@ class CausalLMModule(LightningModule):
     def on_fit_start(self) -> None:
         """Train mode for the whole model, as transformers' ``Trainer`` does: ``from_pretrained`` and
         ``deferred_pretrained`` return it in eval mode and Lightning 2.6 keeps submodules' modes at fit start, so the
-        base's dropout would be off, and on CPU bitsandbytes' int8 layers would take their inference path (int8
-        activations, ~1.7x slower steps on a 135M int8 Llama) in training. Lightning's validation switches to eval
-        mode and back."""
+        base's dropout would be off in training, and on CPU bitsandbytes' int8 layers would take their inference path
+        (int8 activations) instead of their training one (the weight dequantized, a float matmul). Lightning's
+        validation switches to eval mode and back."""
         self.train()
 
     def forward(self, **batch: Tensor) -> Any:

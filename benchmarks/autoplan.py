@@ -1,10 +1,11 @@
 """The auto plan against measurements: every candidate trained, predictions compared, budgets checked.
 
     python -m benchmarks.autoplan [--devices 2] [--repeats 2] [--batch-size 2] [--families full,lora_int8]
-                                  [--out outputs/benchmarks/autoplan]
+                                  [--size full|135m|400m] [--out outputs/benchmarks/autoplan]
 
-On ``--devices`` ranks (torchrun; gloo on CPU) and the benchmark Llama (``benchmarks.cases.SIZES["full"]``, built
-from a config, no download), for each family of candidates:
+On ``--devices`` ranks (torchrun; gloo on CPU) and a Llama built from a config, no download (``--size``: the
+benchmark's 12.8M ``full``, or issue 32's ``135m`` and ``400m``, ``benchmarks.cases.SIZES``), for each family of
+candidates:
 
 * ``full``: a full fine-tune (3 strategies x activation checkpointing);
 * ``lora_int8``: LoRA r=16 on every projection with ``allow_quantize=["int8"]`` (strategies x ``lora_only`` x
@@ -13,19 +14,24 @@ from a config, no download), for each family of candidates:
 
 the auto plan predicts every candidate (memory from the estimator, step time from the cost model with the
 hardware probed on this very group), then every candidate trains for real through ``FSDPPlusStrategy`` with its
-options; repetitions interleave the candidates and the report takes medians. Two peaks are measured per rank:
+options; repetitions interleave the candidates and the report takes medians. The ranks run under tcmalloc when it
+is installed (as ``scripts/run`` runs them), else under glibc with every allocation its own mapping. Three peaks
+are measured per rank:
 
 * the tensor-accounted peak of ``MemoryMonitor``'s step-boundary samples (after forward, before and after the
   optimizer step), which the estimator's ``peak_bytes_per_rank`` predicts;
-* the real peak (:class:`TruePeak`: the process's resident set sampled every 0.2 ms through the warm-up steps,
-  every allocation its own mapping), transients included — what a device must hold, and what the plan budgets
-  (``peak_with_transient_bytes_per_rank``).
+* the live peak (:class:`TruePeak`, sampled every 0.2 ms through the warm-up steps: tcmalloc's allocated bytes, or
+  the resident set when every allocation is its own mapping), transients included, which the estimator's
+  ``live_peak_bytes_per_rank`` predicts;
+* the process peak: the resident set's growth over the same steps (what the allocator keeps included), which the
+  plan's real peak (``real_peak_bytes_per_rank``) predicts and budgets.
 
-The report gives, per candidate, both comparisons and predicted vs measured step time (the Spearman rank
-correlation), and budget checks: a budget's usable part (less ``memory_margin``, which the plan keeps free of its
-prediction) is placed at the midpoint between two consecutive measured peaks; the plan's choice passes when its
-measured peaks are within the budget and its step time within 10% of the fastest candidate whose measured peak
-leaves the margin free as well. Three budgets at the widest gaps are the acceptance set; every gap is listed too.
+The report gives, per candidate, the three comparisons and predicted vs measured step time (error and Spearman
+rank correlation), and budget checks: a budget's usable part (less ``memory_margin``, which the plan keeps free of
+its prediction) is placed at the midpoint between two consecutive measured process peaks; the plan's choice passes
+when its measured peaks are within the budget and its step time within 10% of the fastest candidate whose measured
+peak leaves the margin free as well. Three budgets at the widest gaps are the acceptance set; every gap is listed
+too. And for every candidate, a budget of 1.1x its measured process peak: the plan's choice there must stay inside.
 Writes ``raw.pkl`` (plans and measurements; ``--render`` writes the reports again from it), ``results.json`` and
 ``results.md``.
 """
@@ -59,6 +65,7 @@ from lightning_fsdp_plus.autoplan import AutoPlan, predict_memory
 from lightning_fsdp_plus.autoplan.budget import format_bytes
 from lightning_fsdp_plus.autoplan.probe import probe_hardware
 from lightning_fsdp_plus.memory.accounting import local_bytes, model_state_bytes
+from lightning_fsdp_plus.memory.allocator import tcmalloc_allocated_bytes, tcmalloc_path
 from lightning_fsdp_plus.memory.fake import ForwardBatch
 from lightning_fsdp_plus.options import FSDPPlusOptions
 
@@ -72,6 +79,10 @@ PRECISION = "32-true"
 PAGE = os.sysconf("SC_PAGE_SIZE")
 RAW = "raw.pkl"
 """The plans and measurements of a run, for ``--render``."""
+BENCH_SIZES = ("full", "135m", "400m")
+"""``--size`` choices: the benchmark's 12.8M Llama and issue 32's two larger ones."""
+BUDGET_OVER_PEAK = 1.1
+"""The per-candidate budget check: a budget this many times a candidate's measured process peak."""
 TOLERANCE = 1.10
 """The chosen candidate's measured step time may be at most this times the fastest measurably fitting one's."""
 
@@ -84,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per rank per step")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (after 2 warm-up steps)")
     parser.add_argument("--families", default="full,lora_int8", help=f"comma-separated: {', '.join(FAMILIES)}")
+    parser.add_argument("--size", default="full", choices=BENCH_SIZES, help="the Llama (benchmarks.cases.SIZES)")
     parser.add_argument("--out", type=Path, default=Path("outputs/benchmarks/autoplan"))
     parser.add_argument("--render", action="store_true", help="only write the reports again from --out's raw.pkl")
     args = parser.parse_args(argv)
@@ -107,26 +119,33 @@ def predict(setting: Setting, family: dict[str, Any]) -> AutoPlan:
 
 
 class TruePeak(Callback):
-    """The real peak of the warm-up steps, transients included, from the process's memory: a thread samples the
-    resident set every 0.2 ms while they run. Every allocation above 64 KiB is its own mapping, returned to the
-    system when freed (``MALLOC_MMAP_THRESHOLD_`` is pinned at launch), so the resident set follows the tensors.
-    Peak = (largest resident set - resident set before the first step) + the tensor bytes alive then (parameters
-    and buffers, sharded and replicated). torch's ``FSDPMemTracker`` would say the same for float models, but it
-    never sees bitsandbytes' int8 training path free its tensors and grows by ~11 MiB a step there; the resident
-    set does not."""
+    """The live and the process peak of the warm-up steps, transients included, sampled by a thread every 0.2 ms.
+
+    Live: tcmalloc's allocated bytes when it is this process's allocator; else the resident set, which follows the
+    tensors because every allocation above 64 KiB is its own mapping (``MALLOC_MMAP_THRESHOLD_`` pinned at launch).
+    Process: the resident set. Each peak = its growth from just before the first step + the tensor bytes alive then
+    (parameters and buffers, sharded and replicated). torch's ``FSDPMemTracker`` would give the live peak for float
+    models, but it never sees bitsandbytes' int8 training path free its tensors and grows by ~11 MiB a step there."""
 
     def __init__(self, *, steps: int) -> None:
-        self.steps, self.peak = steps, 0
-        self._base = self._top = 0
+        self.steps, self.peak, self.process_peak = steps, 0, 0
+        self._base = self._top = self._base_live = self._top_live = 0
         self._before = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    @staticmethod
+    def _live(resident: int) -> int:
+        allocated = tcmalloc_allocated_bytes()
+        return resident if allocated is None else allocated
 
     def _sample(self) -> None:
         with open("/proc/self/statm") as statm:
             while not self._stop.is_set():
                 statm.seek(0)
-                self._top = max(self._top, int(statm.read().split()[1]) * PAGE)
+                resident = int(statm.read().split()[1]) * PAGE
+                self._top = max(self._top, resident)
+                self._top_live = max(self._top_live, self._live(resident))
                 time.sleep(0.0002)
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -135,6 +154,7 @@ class TruePeak(Callback):
             self._before = model_state_bytes(trainer.strategy.model).params + sum(
                 local_bytes(b) for b in trainer.strategy.model.buffers())  # fmt: skip
             self._base = self._top = int(Path("/proc/self/statm").read_text().split()[1]) * PAGE
+            self._base_live = self._top_live = self._live(self._base)
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
 
@@ -143,7 +163,8 @@ class TruePeak(Callback):
             self._stop.set()
             self._thread.join()
             self._thread = None
-            self.peak = self._top - self._base + self._before
+            self.peak = self._top_live - self._base_live + self._before
+            self.process_peak = self._top - self._base + self._before
 
 
 def measure(setting: Setting, family: dict[str, Any], plan: AutoPlan, index: int) -> dict[str, Any]:
@@ -153,7 +174,7 @@ def measure(setting: Setting, family: dict[str, Any], plan: AutoPlan, index: int
     peak = TruePeak(steps=setting.warmup)
     figures = _fit(setting, FSDPPlusStrategy(options=options), module, precision=PRECISION, callbacks=(peak,))
     return {"step_time_s": figures["step_time_s"], "peak_bytes": figures["tensor_peak_bytes"],
-            "true_peak_bytes": peak.peak}  # fmt: skip
+            "true_peak_bytes": peak.peak, "process_peak_bytes": peak.process_peak}  # fmt: skip
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -193,8 +214,9 @@ def widest_gap_budgets(peaks: list[int], *, margin: float, count: int = 3) -> li
 
 def check_budget(plan: AutoPlan, measured: list[dict[str, Any]], budget: int, *, peak: str) -> dict[str, Any]:
     """The plan's choice at ``budget`` against the fastest candidate that fits by measurement: whose measured
-    ``peak`` (``true_peak_bytes``: the process's real peak, transients included; ``peak_bytes``: MemoryMonitor's
-    step-boundary samples) leaves ``memory_margin`` of the budget free, as the plan requires of its prediction.
+    ``peak`` (``process_peak_bytes``: the process's real peak, what its allocator keeps included; ``peak_bytes``:
+    MemoryMonitor's step-boundary samples) leaves ``memory_margin`` of the budget free, as the plan requires of its
+    prediction.
     Passes when the chosen candidate's measured peaks are within the budget and its step time within 10% of that
     fastest one's."""
     usable = int(budget * (1 - plan.margin))
@@ -207,26 +229,42 @@ def check_budget(plan: AutoPlan, measured: list[dict[str, Any]], budget: int, *,
     assert chosen is not None
     fastest = min(fitting, key=lambda i: measured[i]["step_time_s"]) if fitting else chosen
     ratio = measured[chosen]["step_time_s"] / measured[fastest]["step_time_s"]
-    within = all(measured[chosen][key] <= budget for key in ("true_peak_bytes", "peak_bytes"))
+    within = all(measured[chosen][key] <= budget for key in ("process_peak_bytes", "peak_bytes"))
     labels = [p.candidate.label for p in plan.predictions]
     return row | {"chosen": chosen, "chosen_label": labels[chosen], "fastest_label": labels[fastest],
                   "chosen_measured_peak": measured[chosen][peak], "fastest_fitting": fastest,
                   "step_ratio": ratio, "ok": within and ratio <= TOLERANCE}  # fmt: skip
 
 
+def check_over_peak(plan: AutoPlan, measured: list[dict[str, Any]], index: int) -> dict[str, Any]:
+    """A budget of ``BUDGET_OVER_PEAK`` x candidate ``index``'s measured process peak: the plan's choice there must
+    take at most the budget (measured)."""
+    budget = int(BUDGET_OVER_PEAK * measured[index]["process_peak_bytes"])
+    try:
+        chosen = dataclasses.replace(plan, budget=budget, chosen=None).with_hardware(plan.hardware).chosen
+    except ValueError:  # NoFitError: the plan refuses; honoured, if cautious
+        return {"budget_bytes": budget, "chosen": None, "ok": True}
+    assert chosen is not None
+    peak = measured[chosen]["process_peak_bytes"]
+    return {"budget_bytes": budget, "chosen": chosen, "chosen_peak": peak, "ok": peak <= budget}
+
+
 def report(name: str, plan: AutoPlan, measured: list[dict[str, Any]]) -> dict[str, Any]:
-    """Predicted vs measured for every candidate, the rank correlation, and the three budget checks."""
+    """Predicted vs measured for every candidate, the rank correlation, and the budget checks."""
     rows = []
     for p, m in zip(plan.predictions, measured, strict=True):
-        predicted_peak = p.memory.peak_bytes_per_rank
-        assert predicted_peak is not None and p.step is not None
+        predicted_peak, live = p.memory.peak_bytes_per_rank, p.memory.live_peak_bytes_per_rank
+        assert predicted_peak is not None and live is not None and p.step is not None
         rows.append({"label": p.candidate.label, "predicted_peak": predicted_peak, "measured_peak": m["peak_bytes"],
-                     "peak_error": predicted_peak / m["peak_bytes"] - 1, "plan_peak": p.peak_bytes,
-                     "true_peak": m["true_peak_bytes"], "true_peak_error": p.peak_bytes / m["true_peak_bytes"] - 1,
-                     "predicted_step": p.step.total, "measured_step": m["step_time_s"]})  # fmt: skip
+                     "peak_error": predicted_peak / m["peak_bytes"] - 1, "live_peak": live,
+                     "true_peak": m["true_peak_bytes"], "true_peak_error": live / m["true_peak_bytes"] - 1,
+                     "plan_peak": p.peak_bytes, "process_peak": m["process_peak_bytes"],
+                     "process_peak_error": p.peak_bytes / m["process_peak_bytes"] - 1,
+                     "predicted_step": p.step.total, "measured_step": m["step_time_s"],
+                     "step_error": p.step.total / m["step_time_s"] - 1})  # fmt: skip
     rho = spearman([r["predicted_step"] for r in rows], [r["measured_step"] for r in rows])
-    checks = {}
-    for peak in ("true_peak_bytes", "peak_bytes"):
+    checks: dict[str, Any] = {"over_peak": [check_over_peak(plan, measured, i) for i in range(len(measured))]}
+    for peak in ("process_peak_bytes", "peak_bytes"):
         peaks = [m[peak] for m in measured]
         widest, every = widest_gap_budgets(peaks, margin=plan.margin), gap_budgets(peaks, margin=plan.margin)
         checks[peak] = {
@@ -235,7 +273,9 @@ def report(name: str, plan: AutoPlan, measured: list[dict[str, Any]]) -> dict[st
         }
     return {"family": name, "hardware": plan.hardware.to_dict() if plan.hardware else None, "candidates": rows,
             "spearman": rho, "max_peak_error": max(abs(r["peak_error"]) for r in rows),
-            "max_true_peak_error": max(abs(r["true_peak_error"]) for r in rows), "checks": checks,
+            "max_true_peak_error": max(abs(r["true_peak_error"]) for r in rows),
+            "max_process_peak_error": max(abs(r["process_peak_error"]) for r in rows),
+            "max_step_error": max(abs(r["step_error"]) for r in rows), "checks": checks,
             "plan": plan.to_dict(), "measured": measured}  # fmt: skip
 
 
@@ -265,20 +305,26 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                               hw["collectives"].items())
                   + f", AdamW {hw['optimizer_rate'] / 1e6:.0f} M elements/s"
                   + "".join(f", {k} {v / 1e9:.1f} GFLOP/s" for k, v in hw["quantized_flops"].items()), "",
-                  "| candidate | predicted peak | sampled peak | error | predicted with transient | true peak | error"
-                  " | predicted step s | measured step s |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| candidate | tensor peak: predicted | sampled | error | live peak: predicted | measured | error"
+                  " | real peak: planned | process | error | step s: predicted | measured | error |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for c in r["candidates"]:
-            predicted, sampled, planned, real = (format_bytes(c[k]) for k in ("predicted_peak", "measured_peak",
-                                                                             "plan_peak", "true_peak"))  # fmt: skip
+            cells = [format_bytes(c[k]) for k in ("predicted_peak", "measured_peak", "live_peak", "true_peak",
+                                                  "plan_peak", "process_peak")]  # fmt: skip
             lines.append(
-                f"| {c['label']} | {predicted} | {sampled} | {c['peak_error']:+.1%} | {planned} | {real} |"
-                f" {c['true_peak_error']:+.1%} | {c['predicted_step']:.3f} | {c['measured_step']:.3f} |"
+                f"| {c['label']} | {cells[0]} | {cells[1]} | {c['peak_error']:+.1%} | {cells[2]} | {cells[3]} |"
+                f" {c['true_peak_error']:+.1%} | {cells[4]} | {cells[5]} | {c['process_peak_error']:+.1%} |"
+                f" {c['predicted_step']:.3f} | {c['measured_step']:.3f} | {c['step_error']:+.1%} |"
             )
-        lines += ["", f"Memory: tensor-accounted peak (MemoryMonitor's samples) within {r['max_peak_error']:.1%};"
-                  f" real peak (resident set, transients included) within {r['max_true_peak_error']:.1%} of the"
-                  f" planned peak. Step time: Spearman rank correlation {r['spearman']:.2f}.", "",
+        over = r["checks"]["over_peak"]
+        lines += ["", f"Platform {r['plan']['platform']}. Memory: tensor-accounted peak (MemoryMonitor's samples)"
+                  f" within {r['max_peak_error']:.1%}; live peak (transients included) within"
+                  f" {r['max_true_peak_error']:.1%}; the plan's real peak within {r['max_process_peak_error']:.1%} of"
+                  f" the process peak. Step time: within {r['max_step_error']:.1%}, Spearman rank correlation"
+                  f" {r['spearman']:.2f}. A budget of {BUDGET_OVER_PEAK:g}x a candidate's measured process peak:"
+                  f" honoured by the plan's choice for {sum(b['ok'] for b in over)} of {len(over)} candidates.", "",
                   ]  # fmt: skip
-        for peak, title in (("true_peak_bytes", "real peaks (resident set)"),
+        for peak, title in (("process_peak_bytes", "process peaks"),
                             ("peak_bytes", "tensor-accounted peaks (MemoryMonitor)")):  # fmt: skip
             check = r["checks"][peak]
             lines += [f"Budgets whose usable part (less memory_margin) is the midpoint of one of the three widest gaps"
@@ -299,11 +345,14 @@ def main(argv: list[str] | None = None) -> None:
         write_reports(args.out)
         return
     if "LOCAL_RANK" not in os.environ:
-        # every allocation above 64 KiB its own mapping, unmapped when freed: the resident set follows the tensors
-        sys.exit(launch(argv, args.devices, module="benchmarks.autoplan", env={"MALLOC_MMAP_THRESHOLD_": "65536"}))
+        # tcmalloc as scripts/run preloads it; else every allocation above 64 KiB its own mapping, unmapped when
+        # freed, so the resident set follows the live tensors
+        found = tcmalloc_path()
+        env = {"LD_PRELOAD": str(found)} if found else {"MALLOC_MMAP_THRESHOLD_": "65536"}
+        sys.exit(launch(argv, args.devices, module="benchmarks.autoplan", env=env))
     dist.init_process_group("gloo")
     started = time.perf_counter()
-    setting = Setting(size=SIZES["full"], batch_size=args.batch_size, warmup=2, steps=args.steps,
+    setting = Setting(size=SIZES[args.size], batch_size=args.batch_size, warmup=2, steps=args.steps,
                       world_size=dist.get_world_size())  # fmt: skip
     raw = []
     for name in args.families.split(","):
@@ -319,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
                           f" {plan.predictions[i].candidate.label} done", flush=True)  # fmt: skip
         measured = [{"step_time_s": statistics.median(r["step_time_s"] for r in run),
                      "peak_bytes": max(r["peak_bytes"] for r in run),
-                     "true_peak_bytes": max(r["true_peak_bytes"] for r in run)} for run in runs]  # fmt: skip
+                     "true_peak_bytes": max(r["true_peak_bytes"] for r in run),
+                     "process_peak_bytes": max(r["process_peak_bytes"] for r in run)} for run in runs]  # fmt: skip
         raw.append((name, plan, measured))
     if dist.get_rank() == 0:
         meta = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPU cores, {torch.get_num_threads()}"

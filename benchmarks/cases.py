@@ -64,7 +64,12 @@ SIZES = {
     "gpt": {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 50257, "seq": 128},
     # issue 31's hand-written GPT: no transformers, an untied 2048-token head
     "plain_gpt": {"hidden_size": 256, "num_hidden_layers": 4, "vocab_size": 2048, "seq": 128},
-}
+    # issue 32's Llamas at sizes nearer our users' (benchmarks.autoplan --size): 1024 wide, MLP 4096, 16 heads
+    "135m": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "vocab_size": 512, "seq": 64},
+    "400m": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
+             "num_key_value_heads": 16, "vocab_size": 512, "seq": 64},
+}  # fmt: skip
 GPT_BATCH_SIZE = 8
 """Sequences per rank and step of the small GPT (half with ``--quick``)."""
 LR = 1e-4
@@ -117,8 +122,8 @@ class Setting:
             return GPT2Config(n_embd=size["hidden_size"], n_layer=size["num_hidden_layers"], n_head=4,
                               n_positions=size["seq"], vocab_size=size["vocab_size"], resid_pdrop=0.0,
                               embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-        return LlamaConfig(num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=size["seq"],
-                           **{k: v for k, v in size.items() if k != "seq"})  # fmt: skip
+        return LlamaConfig(max_position_embeddings=size["seq"], **{"num_attention_heads": 8, "num_key_value_heads": 4}
+                           | {k: v for k, v in size.items() if k != "seq"})  # fmt: skip
 
     def gpt(self) -> Setting:
         """The same run on the small GPT: 2 warm-up steps and at most 10 measured ones (a step takes seconds on

@@ -2,7 +2,8 @@
 
 Memory comes from the estimator (:mod:`~lightning_fsdp_plus.memory.estimate`): the model built on FakeTensors,
 prepared as each candidate would prepare it, one forward counted for the planned batch; a candidate fits when its
-peak with the largest unit's transient is at most the budget less ``memory_margin``. Step time comes from
+real peak (the live tensors with the largest unit's transient, on its platform: gloo's all-gather copy and the
+allocator's overhead on CPU) is at most the budget less ``memory_margin``. Step time comes from
 :mod:`~lightning_fsdp_plus.autoplan.cost`. Everything here is arithmetic on identical inputs, so every rank that
 runs it chooses the same; :func:`agree_on_choice` checks that anyway.
 """
@@ -17,6 +18,7 @@ from typing import Any
 from lightning_fsdp_plus.autoplan.budget import format_bytes
 from lightning_fsdp_plus.autoplan.candidates import Candidate, enumerate_candidates
 from lightning_fsdp_plus.autoplan.cost import Hardware, StepTime, predict_step_time
+from lightning_fsdp_plus.memory.allocator import PLATFORMS, Platform
 from lightning_fsdp_plus.memory.estimate import MemoryEstimate, ModelDescription, describe_config_variants
 from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, config_source
 from lightning_fsdp_plus.options import FSDPPlusOptions
@@ -41,9 +43,10 @@ class Prediction:
 
     @property
     def peak_bytes(self) -> int:
-        """Device bytes per rank at the step's peak, the largest unit's transient included (what must fit)."""
-        assert self.memory.peak_with_transient_bytes_per_rank is not None
-        return self.memory.peak_with_transient_bytes_per_rank
+        """What a rank really takes at the step's peak on its platform: the live tensors with the backward's
+        transients, the platform's all-gather copies and its allocator's overhead (what must fit)."""
+        assert self.memory.real_peak_bytes_per_rank is not None
+        return self.memory.real_peak_bytes_per_rank
 
     def to_dict(self) -> dict[str, Any]:
         """Candidate, memory and step time as plain values."""
@@ -83,6 +86,8 @@ class AutoPlan:
     excluded: tuple[tuple[str, str], ...] = ()
     """``(quantization, why)`` for allowed quantizations this model cannot take (e.g. a 4-bit block size that
     does not divide a layer)."""
+    platform: str = "cuda"
+    """The platform the peaks are real for (:data:`~lightning_fsdp_plus.memory.allocator.PLATFORMS`)."""
 
     @property
     def usable(self) -> int:
@@ -141,7 +146,7 @@ class AutoPlan:
         lines = [
             f"auto plan for {self.source}: budget {format_bytes(self.budget)} per device, {format_bytes(self.usable)}"
             f" usable (memory_margin {self.margin:g}); {self.world_size} rank(s); batch {self.batch.batch_size} x"
-            f" {self.batch.seq_len} tokens per rank; {self.precision}",
+            f" {self.batch.seq_len} tokens per rank; {self.precision}; real peaks for {self.platform}",
         ]
         if hw is not None:
             lines.append(
@@ -181,6 +186,7 @@ class AutoPlan:
             "batch_size": self.batch.batch_size,
             "seq_len": self.batch.seq_len,
             "precision": self.precision,
+            "platform": self.platform,
             "hardware": None if self.hardware is None else self.hardware.to_dict(),
             "chosen": self.chosen,
             "candidates": [p.to_dict() | {"fits": self.fits(p)} for p in self.predictions],
@@ -210,6 +216,7 @@ def predict_memory(
     accelerator: bool = False,
     optimizer: str = "adamw",
     budget_text: str = "",
+    platform: Platform = PLATFORMS["cuda"],
 ) -> AutoPlan:
     """Every candidate's memory (one FakeTensor build per quantization kind); no step times yet. A candidate whose
     units reshard after forward keeps its root gathered until backward (one all-gather fewer per step) unless only
@@ -237,14 +244,15 @@ def predict_memory(
         model = described[c.quantize_base, c.lora_only, c.activation_checkpointing]
         memory = estimate_strategy(model, sharding_strategy=c.sharding_strategy, world_size=world_size,
                                    precision=precision, optimizer=optimizer, hybrid_shard_size=c.hybrid_shard_size,
-                                   cpu_offload=c.cpu_offload and accelerator, reshard_root=c.reshard_root)  # fmt: skip
+                                   cpu_offload=c.cpu_offload and accelerator, reshard_root=c.reshard_root,
+                                   platform=platform)  # fmt: skip
         return Prediction(candidate=c, memory=memory, model=model)
 
     predictions = [predict(c) for c in candidates if (c.quantize_base, c.lora_only, c.activation_checkpointing)
                    in described]  # fmt: skip
     plan = AutoPlan(predictions=tuple(predictions), budget=budget, margin=margin, world_size=world_size, batch=batch,
                     precision=precision, source=config_source(config), budget_text=budget_text,
-                    excluded=tuple(excluded))  # fmt: skip
+                    excluded=tuple(excluded), platform=platform.name)  # fmt: skip
 
     def leaner(p: Prediction) -> Prediction:
         # the root kept gathered from forward to backward saves an all-gather per step; where that does not fit,

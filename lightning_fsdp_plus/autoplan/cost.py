@@ -31,11 +31,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-import torch
-
 from lightning_fsdp_plus.autoplan.candidates import Candidate
 from lightning_fsdp_plus.memory.assumptions import PRECISION_BYTES
-from lightning_fsdp_plus.memory.estimate import ModelDescription, bytes_per_element, unit_reshards
+from lightning_fsdp_plus.memory.estimate import (
+    ModelDescription,
+    bytes_per_element,
+    is_quantized,
+    unit_reshards,
+    weight_elements,
+)
 from lightning_fsdp_plus.plan import ParamInfo, resolve_mesh_layout
 
 GPU_OVERLAP = 0.8
@@ -144,20 +148,6 @@ def wire_bytes(kind: str, nbytes: float, ranks: int) -> float:
     return factor * nbytes * (ranks - 1) / ranks
 
 
-def weights(info: ParamInfo) -> int:
-    """Weights a parameter holds for FLOP counting: float elements, int8 weights, two per packed 4-bit byte; scales
-    and block statistics (int32) hold none."""
-    if info.dtype.is_floating_point:
-        return info.numel
-    if info.name.endswith("weight") and info.dtype in (torch.int8, torch.uint8):
-        return info.numel * (2 if info.dtype == torch.uint8 else 1)
-    return 0
-
-
-def _is_quantized(info: ParamInfo) -> bool:
-    return not info.dtype.is_floating_point and weights(info) > 0
-
-
 def _unit_bytes(unit: Iterable[ParamInfo], float_bytes: int) -> int:
     """A unit's bytes with float elements at ``float_bytes`` (compute or stored); int8 / 4-bit bytes as they are."""
     return sum(p.numel * bytes_per_element(p, float_bytes) for p in unit)
@@ -179,15 +169,15 @@ def predict_step_time(
     shard, replicas = layout.shard, layout.replicate
     params = [p for unit in (*model.units, model.replicated) for p in unit]
     quant_rate = hardware.quantized_flops.get(candidate.quantize_base or "", hardware.matmul_flops)
-    float_w = sum(weights(p) for p in params if not _is_quantized(p))
-    quant_w = sum(weights(p) for p in params if _is_quantized(p))
+    float_w = sum(weight_elements(p) for p in params if not is_quantized(p))
+    quant_w = sum(weight_elements(p) for p in params if is_quantized(p))
     trainable = sum(p.numel for p in params if p.trainable)
     forward = 2 * tokens * (float_w / hardware.matmul_flops + quant_w / quant_rate)
     backward = forward + 2 * tokens * trainable / hardware.matmul_flops
     recompute = 0.0
     if candidate.activation_checkpointing and model.units:
-        in_units = sum(weights(p) for unit in model.units for p in unit)
-        in_root = sum(weights(p) for p in model.units[-1])
+        in_units = sum(weight_elements(p) for unit in model.units for p in unit)
+        in_root = sum(weight_elements(p) for p in model.units[-1])
         recompute = forward * (1 - in_root / in_units) if in_units else 0.0
     compute = forward + backward + recompute
 

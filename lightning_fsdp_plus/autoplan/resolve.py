@@ -18,6 +18,7 @@ from lightning_fsdp_plus.autoplan.budget import device_memory, parse_budget
 from lightning_fsdp_plus.autoplan.choose import AutoPlan, agree_on_choice, predict_memory
 from lightning_fsdp_plus.autoplan.probe import probe_hardware
 from lightning_fsdp_plus.lora import find_peft_model
+from lightning_fsdp_plus.memory.allocator import platform_for
 from lightning_fsdp_plus.memory.fake import ForwardBatch
 from lightning_fsdp_plus.options import FSDPPlusOptions
 
@@ -87,6 +88,7 @@ def predict_for_module(
         lora_run=lora_run,
         accelerator=device.type == "cuda",
         budget_text=str(options.memory_budget),
+        platform=platform_for(device.type),
     )
     plan.require_fit()
     return plan

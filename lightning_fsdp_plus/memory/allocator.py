@@ -10,7 +10,11 @@ is loaded and where tcmalloc lies; ``scripts/run`` and ``scripts/demo.sh`` prelo
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -20,6 +24,10 @@ TCMALLOC_NAMES = ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")
 LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 """Where :func:`tcmalloc_path` looks."""
 _KNOWN = {"tcmalloc": "tcmalloc", "jemalloc": "jemalloc", "mimalloc": "mimalloc"}
+TCMALLOC_FACTOR = 1.10
+"""Process memory added ÷ live tensor bytes at the peak under tcmalloc (docs/memory.md)."""
+GLIBC_FACTOR = 2.7
+"""The same under glibc's ``malloc``: the largest ratio measured (docs/memory.md)."""
 
 
 def allocator_in_use(maps: Path = Path("/proc/self/maps")) -> str:
@@ -35,6 +43,17 @@ def allocator_in_use(maps: Path = Path("/proc/self/maps")) -> str:
 def tcmalloc_path(dirs: tuple[str, ...] = LIBRARY_DIRS) -> Path | None:
     """The first tcmalloc shared library found in ``dirs`` (``None``: not installed)."""
     return next((Path(d) / n for d in dirs for n in TCMALLOC_NAMES if (Path(d) / n).is_file()), None)
+
+
+def tcmalloc_allocated_bytes() -> int | None:
+    """Bytes the application holds in tcmalloc now (``generic.current_allocated_bytes``: live allocations, without
+    tcmalloc's own free lists); ``None`` when tcmalloc is not this process's allocator."""
+    try:
+        query = ctypes.CDLL(None).MallocExtension_GetNumericProperty
+    except (OSError, AttributeError):
+        return None
+    value = ctypes.c_size_t(0)
+    return value.value if query(b"generic.current_allocated_bytes", ctypes.byref(value)) else None
 
 
 def allocator_advice() -> str | None:
@@ -54,3 +73,56 @@ def report_allocator_once() -> None:
     advice = allocator_advice()
     if advice:
         rank_zero_info(advice)
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What a device's runtime adds to the tensors the estimator counts: the real peak is
+    ``(peak with transient + gather_copies x the largest gathered unit) x allocator_factor``."""
+
+    name: str
+    """``cuda``, or ``cpu-<allocator>``."""
+    gather_copies: int
+    """Extra buffers of a unit's gathered size alive while its all-gather runs (gloo gathers into a temporary, then
+    copies; NCCL gathers into FSDP2's output)."""
+    allocator_factor: float
+    """Process memory added over an idle process ÷ the live tensor bytes at the peak: what the allocator keeps."""
+    basis: str
+    """Where the figures come from."""
+
+
+PLATFORMS: dict[str, Platform] = {
+    "cuda": Platform(
+        "cuda",
+        0,
+        1.0,
+        "assumed: NCCL gathers in place; the caching allocator's reserve above its"
+        " tensors is what memory_margin keeps free (to be confirmed on a GPU)",
+    ),
+    "cpu-tcmalloc": Platform("cpu-tcmalloc", 1, TCMALLOC_FACTOR, "measured: docs/memory.md, 2 CPU ranks, 12.8M-400M"),
+    "cpu-glibc": Platform(
+        "cpu-glibc",
+        1,
+        GLIBC_FACTOR,
+        "measured: the largest ratio at 12.8M-400M (docs/memory.md); glibc's fragmentation varies run to run",
+    ),
+    "cpu-mmap": Platform(
+        "cpu-mmap",
+        1,
+        1.0,
+        "glibc with MALLOC_MMAP_THRESHOLD_ <= 1 MiB: every tensor its own mapping, returned when freed (slower steps)",
+    ),
+}
+"""The platforms the real peak knows, by name."""
+
+
+def platform_for(
+    device_type: str, *, allocator: str | None = None, environ: Mapping[str, str] = os.environ
+) -> Platform:
+    """The platform of a ``device_type`` device; on CPU, of ``allocator`` (default: the one in this process)."""
+    if device_type != "cpu":
+        return PLATFORMS["cuda"]
+    allocator = allocator or allocator_in_use()
+    if allocator == "glibc" and int(environ.get("MALLOC_MMAP_THRESHOLD_", "0") or 0) in range(1, 2**20 + 1):
+        return PLATFORMS["cpu-mmap"]
+    return PLATFORMS.get(f"cpu-{allocator}", PLATFORMS["cpu-glibc"])

@@ -43,6 +43,10 @@ OPTIMIZER_TEMPORARIES: dict[str, int] = {"adamw": 1, "adam": 1, "sgd-momentum": 
 """State-sized temporaries ``optimizer.step()`` allocates per trainable parameter: torch's foreach Adam(W) computes
 ``sqrt(exp_avg_sq)`` into a new tensor list before the update; SGD updates in place."""
 
+GRADIENT_TEMPORARIES = 2
+"""Tensors of the largest saved activation's size that backward adds at its peak: that activation's gradient and
+the gradient its backward computes beside it (measured with ``benchmarks/memory_trace.py``, docs/memory.md)."""
+
 INT8_BYTES = 1
 """An int8 base weight element; its per-row scale is 4 bytes (fp32 bits in an int32, never cast)."""
 

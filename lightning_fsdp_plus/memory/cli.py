@@ -28,6 +28,7 @@ from typing import Any
 from lightning_fsdp_plus.autoplan.budget import device_memory
 from lightning_fsdp_plus.autoplan.cost import CPU_LINK_BANDWIDTH, CPU_LINK_LATENCY, PRESETS, Hardware
 from lightning_fsdp_plus.lora import DEFAULT_TARGETS
+from lightning_fsdp_plus.memory.allocator import PLATFORMS, Platform, tcmalloc_path
 from lightning_fsdp_plus.memory.assumptions import OPTIMIZER_STATES, PRECISION_BYTES
 from lightning_fsdp_plus.memory.estimate import (
     STRATEGY_CHOICES,
@@ -49,6 +50,7 @@ _COLUMNS = (
     ("activation_bytes_per_rank", "activations"),
     ("largest_unit_transient_bytes", "unit transient"),
     ("peak_with_transient_bytes_per_rank", "peak"),
+    ("real_peak_bytes_per_rank", "real peak"),
 )
 
 
@@ -88,6 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--padded", action="store_true", help="batches carry padding (attention mask): attention saves more"
     )
+    parser.add_argument("--platform", choices=list(PLATFORMS),
+                        help="what the real peak is for: all-gather copies and the allocator's overhead (default: cuda;"
+                        " with --hardware cpu, cpu-tcmalloc where tcmalloc is installed (scripts/run preloads it),"
+                        " else cpu-glibc)")  # fmt: skip
     parser.add_argument("--simulate", action="store_true", help="also run torch's FSDP2 memory tracker (fake PG)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan = parser.add_argument_group("auto plan (--budget)")
@@ -167,6 +173,15 @@ def _hardware(args: argparse.Namespace) -> Hardware:
     return hardware.with_link_bandwidth(args.link_bandwidth)
 
 
+def _platform(args: argparse.Namespace) -> Platform:
+    """``--platform``, else what ``--hardware`` implies (on CPU: the allocator scripts/run would preload)."""
+    if args.platform is not None:
+        return PLATFORMS[args.platform]
+    if args.hardware == "cpu":
+        return PLATFORMS["cpu-tcmalloc" if tcmalloc_path() else "cpu-glibc"]
+    return PLATFORMS["cuda"]
+
+
 def run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
     """``--budget``: the auto plan's table for the config (exit 2 when nothing fits)."""
     import torch
@@ -194,6 +209,7 @@ def run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
             budget=parse_budget(args.budget, device_memory=memory, key="--budget"), budget_text=args.budget,
             quantize=(args.quantize_base,) if args.quantize_base else (None, *args.allow_quantize),
             lora_run=lora is not None, accelerator=hardware.accelerator, optimizer=args.optimizer,
+            platform=_platform(args),
         )  # fmt: skip
         plan.require_fit()
     except NoFitError as err:
@@ -225,7 +241,7 @@ def run(argv: Sequence[str] | None = None) -> str:
             **({"quantize_blocksize": args.quantize_blocksize, "quantize_double": args.quantize_double}
                if args.quantize_base in ("nf4", "fp4") else {}),
             activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
-            seq_len=args.seq_len, simulate=args.simulate,
+            seq_len=args.seq_len, simulate=args.simulate, platform=_platform(args),
         )  # fmt: skip
     except (EstimateError, ValueError) as err:
         parser.error(str(err))
@@ -242,6 +258,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         + (", activation checkpointing" if args.activation_checkpointing else "")
         + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
         + (", padded" if args.config and args.padded else "")
+        + f"; real peak on {_platform(args).name}"
     )
     return format_table(model, estimates, header=header)
 

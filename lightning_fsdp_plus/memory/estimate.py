@@ -14,16 +14,23 @@ memory), with bytes per element from :mod:`~lightning_fsdp_plus.memory.assumptio
 * ``largest_unit_transient_bytes``: what backward adds around the largest unit: its all-gathered parameters
   (FULL/HYBRID_SHARD) and unsharded gradients, and as much again for its neighbours — the next unit's prefetched
   all-gather and the previous unit's reduce-scatter buffer still in flight (FSDP2's overlap; measured with torch's
-  ``FSDPMemTracker``), and with activation checkpointing twice what one unit saves again while its backward
-  recomputes it (the recomputed activations and their gradients);
+  ``FSDPMemTracker``), with activation checkpointing twice what one unit saves again while its backward
+  recomputes it (the recomputed activations and their gradients), two tensors of the largest saved activation's
+  size (the gradient backward computes for it and the one beside it) and the largest quantized weight dequantized
+  (bitsandbytes builds that copy for the matmul) — each part measured with ``benchmarks/memory_trace.py``;
 * ``peak_bytes_per_rank``: max(end of forward + activations, end of backward) — what ``MemoryMonitor``
   measures as its tensor-accounted peak — and ``peak_with_transient_bytes_per_rank``: the larger of that peak
-  plus the transient and the optimizer step (end of backward + the optimizer's temporaries), the figure a device
-  must hold (the auto plan budgets it).
+  plus the transient and the optimizer step (end of backward + the optimizer's temporaries): the live tensors at
+  the step's peak;
+* ``real_peak_bytes_per_rank``: what the process takes on its platform (:class:`~.allocator.Platform`): gloo's
+  all-gather temporary of the largest unit on CPU, times what the allocator keeps beyond its live bytes (CPU
+  ``malloc``: measured per allocator; CUDA: 1, its caching allocator's reserve is ``memory_margin``'s share). The
+  auto plan budgets this figure.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,7 +39,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_fsdp_plus.memory.allocator import PLATFORMS, Platform
 from lightning_fsdp_plus.memory.assumptions import (
+    GRADIENT_TEMPORARIES,
     OPTIMIZER_STATES,
     OPTIMIZER_TEMPORARIES,
     PRECISION_BYTES,
@@ -64,6 +73,9 @@ class ModelDescription:
     """Saved-for-backward bytes of one forward at the requested batch x sequence, if counted."""
     recompute_bytes: int = 0
     """With activation checkpointing: what one checkpointed unit saves again while its backward recomputes it."""
+    largest_activation_bytes: int = 0
+    """The largest single tensor one forward saves (an MLP's intermediate, or the logits): backward computes its
+    gradient and the next one beside it."""
     source: str = ""
     """Where the description came from (a config path, a module class, a parameter count)."""
 
@@ -92,6 +104,7 @@ class ModelDescription:
             "replicated_params": sum(p.numel for p in self.replicated),
             "activation_bytes": self.activation_bytes,
             "recompute_bytes": self.recompute_bytes,
+            "largest_activation_bytes": self.largest_activation_bytes,
         }
 
 
@@ -123,6 +136,14 @@ class MemoryEstimate:
     """max(end of forward + activations, end of backward): the tensor-accounted peak."""
     peak_with_transient_bytes_per_rank: int | None
     """max(``peak_bytes_per_rank`` + the transient, end of backward + ``optimizer_temporary_bytes``)."""
+    live_peak_bytes_per_rank: int | None = None
+    """Every live tensor at the peak on ``platform``: ``peak_with_transient_bytes_per_rank`` + the platform's
+    all-gather copies of the largest unit (gloo's temporary; none on NCCL)."""
+    real_peak_bytes_per_rank: int | None = None
+    """What the process really takes at the peak on ``platform``: ``live_peak_bytes_per_rank`` x the platform's
+    allocator factor (what ``malloc`` keeps beyond its live bytes on CPU; :mod:`~.allocator`)."""
+    platform: str = "cuda"
+    """The platform the real peak is for (``cuda``, ``cpu-tcmalloc``, ``cpu-glibc``, ``cpu-mmap``)."""
     optimizer_temporary_bytes: int = 0
     """What ``optimizer.step()`` allocates on the device beyond the state (Adam(W): one state-sized tensor)."""
     host_bytes_per_rank: int = 0
@@ -181,6 +202,28 @@ def unit_reshards(sharding_strategy: ShardingStrategy, *, root: bool, reshard_ro
     return sharding_strategy.reshard_after_forward and (reshard_root or not root)
 
 
+def weight_elements(info: ParamInfo) -> int:
+    """Weights a parameter holds: float elements, int8 weights, two per packed 4-bit byte; scales and block
+    statistics (int32) hold none."""
+    if info.dtype.is_floating_point:
+        return info.numel
+    if info.name.endswith("weight") and info.dtype in (torch.int8, torch.uint8):
+        return info.numel * (2 if info.dtype == torch.uint8 else 1)
+    return 0
+
+
+def is_quantized(info: ParamInfo) -> bool:
+    """An int8 or packed 4-bit weight."""
+    return not info.dtype.is_floating_point and weight_elements(info) > 0
+
+
+def dequantized_weight_bytes(model: ModelDescription, *, compute_bytes: int) -> int:
+    """The largest quantized weight dequantized to the compute dtype: bitsandbytes' int8 and 4-bit layers build that
+    copy for every backward (and on CPU every forward too) and free it after the matmul; 0 without quantization."""
+    infos = (p for unit in (*model.units, model.replicated) for p in unit if is_quantized(p))
+    return max((weight_elements(p) for p in infos), default=0) * compute_bytes
+
+
 def estimate_strategy(
     model: ModelDescription,
     *,
@@ -191,6 +234,7 @@ def estimate_strategy(
     hybrid_shard_size: int | None = None,
     cpu_offload: bool = False,
     reshard_root: bool = False,
+    platform: Platform = PLATFORMS["cuda"],
 ) -> MemoryEstimate:
     """Bytes per rank for one strategy at one world size; the root unit (the last) reshards after forward only
     with ``reshard_root`` (``reshard_root_after_forward``) — else its gathered copy counts at the end of forward
@@ -232,6 +276,8 @@ def estimate_strategy(
             for u, again in zip(model.units, regathered, strict=True)
         )
         transient += 2 * model.recompute_bytes  # a checkpointed unit's recomputed activations and their gradients
+        transient += GRADIENT_TEMPORARIES * model.largest_activation_bytes + dequantized_weight_bytes(
+            model, compute_bytes=pb.compute)  # fmt: skip
     temporaries = 0 if cpu_offload else opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
     temporaries += r_opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
     host = 0
@@ -241,6 +287,12 @@ def estimate_strategy(
     end_of_forward, end_of_backward = stored + opt + kept, stored + opt + grads
     act = model.activation_bytes
     peak = None if act is None else max(end_of_forward + act, end_of_backward)
+    with_transient = None if peak is None or transient is None else max(peak + transient, end_of_backward + temporaries)
+    live = real = None
+    if with_transient is not None:
+        gathered = max((compute_copy(u) for u in model.units), default=0) if shard > 1 else 0
+        live = with_transient + platform.gather_copies * gathered
+        real = math.ceil(live * platform.allocator_factor)
     return MemoryEstimate(
         sharding_strategy=sharding_strategy.value,
         world_size=world_size,
@@ -253,9 +305,10 @@ def estimate_strategy(
         activation_bytes_per_rank=act,
         largest_unit_transient_bytes=transient,
         peak_bytes_per_rank=peak,
-        peak_with_transient_bytes_per_rank=None
-        if peak is None or transient is None
-        else max(peak + transient, end_of_backward + temporaries),
+        peak_with_transient_bytes_per_rank=with_transient,
+        live_peak_bytes_per_rank=live,
+        real_peak_bytes_per_rank=real,
+        platform=platform.name,
         optimizer_temporary_bytes=temporaries,
         host_bytes_per_rank=host,
     )
@@ -320,11 +373,16 @@ def _frozen_infos(count: int, *, quantize_base: str | None, sharded: bool) -> li
     return [ParamInfo("frozen", (count,), dtype, False, sharded, 0)]
 
 
-def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
-    """Bytes autograd saves while ``run_forward`` runs in the precision plugin's forward context (CPU)."""
+def saved_activations(run_forward: Callable[[], Any], *, precision: str) -> SavedActivations:
+    """What autograd saves while ``run_forward`` runs in the precision plugin's forward context (CPU)."""
     with SavedActivations() as counter, FSDPPlusPrecision(precision).forward_context():  # type: ignore[arg-type]
         run_forward()
-    return counter.bytes
+    return counter
+
+
+def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
+    """Bytes autograd saves while ``run_forward`` runs in the precision plugin's forward context (CPU)."""
+    return saved_activations(run_forward, precision=precision).bytes
 
 
 def describe_config(config: Any, *, precision: str, options: FSDPPlusOptions, batch: ForwardBatch) -> ModelDescription:
@@ -360,7 +418,9 @@ def describe_config_variants(
     with fake_model(config, dtype=compute_dtype(precision), options=built, batch=batch) as (model, inputs):
         plain = {mode: describe_module(model, options=built.replace(lora_only=mode), source=config_source(config))
                  for mode in lora_only}  # fmt: skip
-        activations = count_activations(lambda: model(**inputs).loss, precision=precision)
+        saved = saved_activations(lambda: model(**inputs).loss, precision=precision)
+        activations, largest = saved.bytes, saved.largest
+        plain = {mode: replace(d, largest_activation_bytes=largest) for mode, d in plain.items()}
         out = {(mode, False): replace(d, activation_bytes=activations) for mode, d in plain.items()}
         if True in checkpointing:
             paths = plan_model(model, built.replace(activation_checkpointing=policy), layout=one_unit,
@@ -399,6 +459,7 @@ def estimate_memory(
     seq_len: int = 2048,
     padded: bool = False,
     simulate: bool = False,
+    platform: Platform = PLATFORMS["cuda"],
     **option_fields: Any,
 ) -> tuple[ModelDescription, list[MemoryEstimate]]:
     """Estimates for every (world size, strategy) pair, from a parameter count or a transformers config.
@@ -407,7 +468,8 @@ def estimate_memory(
     fields may also be given as a keyword, e.g. ``lora=``, ``lora_only=``, ``quantize_base=``,
     ``hybrid_shard_size=``, ``cpu_offload=``); ``activation_checkpointing=True`` checkpoints every FSDP unit but
     the root. Every argument is checked before any model is built; errors are :class:`EstimateError` naming the
-    key. ``simulate`` adds torch's FSDP2 memory tracker's peak (fake process group, FakeTensors) to each.
+    key. ``simulate`` adds torch's FSDP2 memory tracker's peak (fake process group, FakeTensors) to each;
+    ``platform`` is what the real peak is for.
     """
     if (params is None) == (config is None):
         raise EstimateError("give exactly one of params (a parameter count) or config (a config.json path)")
@@ -441,7 +503,7 @@ def estimate_memory(
     else:
         model = describe_config(config, precision=precision, options=opts, batch=batch)
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size,
-              "reshard_root": opts.reshard_root_after_forward}  # fmt: skip
+              "reshard_root": opts.reshard_root_after_forward, "platform": platform}  # fmt: skip
     estimates = [
         estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=opts.cpu_offload, **common)
         for size in sizes

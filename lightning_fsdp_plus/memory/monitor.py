@@ -59,6 +59,11 @@ class SavedActivations:
         """Bytes of the distinct saved storages seen since ``start``."""
         return sum(self._storages.values())
 
+    @property
+    def largest(self) -> int:
+        """Bytes of the largest saved storage seen since ``start`` (0 if none)."""
+        return max(self._storages.values(), default=0)
+
     def _pack(self, tensor: Tensor) -> Tensor:
         if not _is_parameter(tensor):
             storage = tensor.untyped_storage()  # keyed by the storage object: works for meta and fake tensors too

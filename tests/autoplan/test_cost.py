@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lightning_fsdp_plus.autoplan.candidates import Candidate
-from lightning_fsdp_plus.autoplan.cost import Hardware, predict_step_time, weights
-from lightning_fsdp_plus.memory.estimate import ModelDescription
+from lightning_fsdp_plus.autoplan.cost import Hardware, predict_step_time
+from lightning_fsdp_plus.memory.estimate import ModelDescription, weight_elements
 from lightning_fsdp_plus.plan import ParamInfo, ShardingStrategy
 
 FULL, GRAD_OP, NO, HYBRID = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD,
@@ -79,8 +79,8 @@ def test_an_int8_base_moves_a_quarter_of_the_fp32_bytes_and_runs_at_its_measured
     assert step.compute == pytest.approx(2 * 4.2e-5 + 2e-6)
     # unit a: two gathers of 1000 + 400 bytes and no gradient; the root as before
     assert step.collectives == pytest.approx(2 * (1e-3 + 700 / 1e6) + 2 * 1.2e-3)
-    assert weights(info("w.weight", (100, 5), torch.uint8, False)) == 1000  # packed 4-bit: two per byte
-    assert weights(info("w.weight_absmax", (100,), torch.int32, False)) == 0
+    assert weight_elements(info("w.weight", (100, 5), torch.uint8, False)) == 1000  # packed 4-bit: two per byte
+    assert weight_elements(info("w.weight_absmax", (100,), torch.int32, False)) == 0
 
 
 def test_lora_only_gathers_no_base_weights():

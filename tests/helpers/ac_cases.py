@@ -135,13 +135,15 @@ def compare(run: Record, reference: Record) -> dict:
 def tight_budget(options: dict, vocab: int) -> int:
     """A budget (bytes) only candidates with checkpointing fit: between their least predicted peak and the others'."""
     from lightning_fsdp_plus.autoplan import predict_memory
+    from lightning_fsdp_plus.memory.allocator import platform_for
     from lightning_fsdp_plus.memory.fake import ForwardBatch
 
     given = FSDPPlusOptions(**options, memory_budget=1)
     full_shard = given.replace(sharding_strategy="FULL_SHARD")
     plan = predict_memory(build("llama", vocab, deep=True).config, options=full_shard,
                           world_size=2, precision="32-true", batch=ForwardBatch(BATCH, SEQ), budget=1, margin=0.1,
-                          quantize=(None, *given.allow_quantize), lora_run=True)  # fmt: skip
+                          quantize=(None, *given.allow_quantize), lora_run=True,
+                          platform=platform_for("cpu"))  # fmt: skip
     with_ac = min(p.peak_bytes for p in plan.predictions if p.candidate.activation_checkpointing)
     without = min(p.peak_bytes for p in plan.predictions if not p.candidate.activation_checkpointing)
     assert with_ac < without, (with_ac, without)

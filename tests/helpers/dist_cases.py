@@ -329,11 +329,13 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
 def leanest_only_budget(options: FSDPPlusOptions) -> int:
     """A budget (bytes) between the smallest and the next predicted peak of ``options``' candidates at 2 ranks."""
     from lightning_fsdp_plus.autoplan import predict_memory
+    from lightning_fsdp_plus.memory.allocator import platform_for
     from lightning_fsdp_plus.memory.fake import ForwardBatch
 
     plan = predict_memory(tiny_llama(0, **LORA_LLAMA).config, options=options.replace(sharding_strategy="FULL_SHARD"),
                           world_size=2, precision="32-true", batch=ForwardBatch(4, SEQ), budget=1, margin=0.1,
-                          quantize=(None, *options.allow_quantize), lora_run=True)  # fmt: skip
+                          quantize=(None, *options.allow_quantize), lora_run=True,
+                          platform=platform_for("cpu"))  # fmt: skip
     lowest, second = sorted({p.peak_bytes for p in plan.predictions})[:2]
     return int((lowest + second) / 2 / (1 - options.memory_margin))
 

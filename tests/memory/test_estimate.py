@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -12,7 +13,9 @@ import torch
 
 from lightning_fsdp_plus.memory.assumptions import assumptions_markdown
 from lightning_fsdp_plus.memory.cli import run
-from lightning_fsdp_plus.memory.estimate import count_activations, estimate_memory
+from lightning_fsdp_plus.memory.estimate import count_activations, describe_config, estimate_memory
+from lightning_fsdp_plus.memory.fake import ForwardBatch
+from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 from tests.helpers.launch import REPO
 from tests.helpers.models import LORA, LORA_LLAMA, tiny_llama
@@ -248,3 +251,26 @@ def test_the_root_kept_gathered_counts_at_the_end_of_forward_and_a_resharded_one
     assert estimate(ShardingStrategy.SHARD_GRAD_OP, reshard_root=True).unsharded_params == 4400  # nothing reshards
     # a model known only by its size has no root apart: nothing is kept under FULL_SHARD
     assert estimate_strategy(describe_param_count(1e6), sharding_strategy=full, world_size=2).unsharded_params == 0
+
+
+def test_backward_transient_counts_two_of_the_largest_activation_and_the_largest_weight_dequantized():
+    from lightning_fsdp_plus.memory.estimate import ModelDescription, estimate_strategy
+    from lightning_fsdp_plus.plan import ParamInfo, ShardingStrategy
+
+    # unit a: an int8 weight of 100 x 10 (and its scale) plus 40 LoRA elements; the root: 100 float elements
+    int8 = (ParamInfo("a.weight", (100, 10), torch.int8, False, True, 0),
+            ParamInfo("a.weight_scale", (100,), torch.int32, False, True, 0),
+            ParamInfo("a.lora_A.weight", (4, 10), torch.float32, True, True, 0))  # fmt: skip
+    root = (ParamInfo("r.weight", (10, 10), torch.float32, True, True, 0),)
+    plain = ModelDescription(units=(int8, root), activation_bytes=0)
+    saved = dataclasses.replace(plain, largest_activation_bytes=3000)
+    for precision, compute in (("32-true", 4), ("bf16-mixed", 2)):
+        before, after = (estimate_strategy(m, sharding_strategy=ShardingStrategy.FULL_SHARD, world_size=2,
+                                           precision=precision) for m in (plain, saved))  # fmt: skip
+        # unit a re-gathered: 1000 int8 + 400 scale bytes + 40 LoRA elements, and 40 gradients; doubled
+        assert before.largest_unit_transient_bytes == 2 * (1000 + 400 + 80 * compute) + 1000 * compute
+        assert after.largest_unit_transient_bytes == before.largest_unit_transient_bytes + 2 * 3000
+    tiny = REPO / "examples" / "assets" / "tiny-llama"
+    described = describe_config(tiny, precision="32-true", options=FSDPPlusOptions(), batch=ForwardBatch(2, 16))
+    vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
+    assert described.largest_activation_bytes == 2 * 16 * vocab * 4  # the logits (fp32) are the largest saved

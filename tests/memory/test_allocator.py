@@ -5,7 +5,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from lightning_fsdp_plus.memory.allocator import allocator_advice, allocator_in_use, tcmalloc_path
+from lightning_fsdp_plus.memory.allocator import (
+    PLATFORMS,
+    allocator_advice,
+    allocator_in_use,
+    platform_for,
+    tcmalloc_allocated_bytes,
+    tcmalloc_path,
+)
 from tests.helpers.launch import REPO, subprocess_env
 
 LIBC = "7f00-7f10 r-xp 00000000 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
@@ -42,4 +49,26 @@ def test_scripts_preload_tcmalloc_when_installed_and_the_process_then_runs_on_it
     run = subprocess.run([sys.executable, "-c", probe], env={**subprocess_env(), "LD_PRELOAD": str(found)},
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert run.stdout.strip() == "tcmalloc"
+    # and tcmalloc's live bytes follow a tensor (this process, under glibc, has none to read)
+    probe = ("import torch; from lightning_fsdp_plus.memory.allocator import tcmalloc_allocated_bytes as b;"
+             " before = b(); x = torch.ones(2**26, dtype=torch.uint8); during = b(); del x;"
+             " print(during - before, b() - before)")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", probe], env={**subprocess_env(), "LD_PRELOAD": str(found)},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    grown, after = map(int, run.stdout.split())
+    assert 2**26 <= grown < 2**26 + 2**20 and after < 2**20
+    assert tcmalloc_allocated_bytes() is None
     assert allocator_in_use() == "glibc" and f"LD_PRELOAD={found}" in allocator_advice()  # this process: glibc
+
+
+def test_the_platform_follows_the_device_the_allocator_and_glibcs_mmap_threshold():
+    assert platform_for("cuda", allocator="glibc") is PLATFORMS["cuda"]
+    assert platform_for("cpu", allocator="tcmalloc", environ={}) is PLATFORMS["cpu-tcmalloc"]
+    assert platform_for("cpu", allocator="glibc", environ={}) is PLATFORMS["cpu-glibc"]
+    # every allocation above 64 KiB its own mapping, returned when freed: the resident set is the live bytes
+    assert platform_for("cpu", allocator="glibc", environ={"MALLOC_MMAP_THRESHOLD_": "65536"}) is PLATFORMS["cpu-mmap"]
+    assert platform_for("cpu", allocator="glibc", environ={"MALLOC_MMAP_THRESHOLD_": "8388608"}) is PLATFORMS[
+        "cpu-glibc"]  # a high threshold keeps glibc's heap (measured: 1,601 vs 1,874 MiB)  # fmt: skip
+    assert platform_for("cpu", allocator="jemalloc", environ={}) is PLATFORMS["cpu-glibc"]  # unmeasured: glibc's
+    assert platform_for("cpu", environ={}) is PLATFORMS["cpu-glibc"]  # this process (pytest) runs on glibc
+    assert PLATFORMS["cuda"].gather_copies == 0 and PLATFORMS["cuda"].allocator_factor == 1.0

@@ -274,3 +274,31 @@ def test_backward_transient_counts_two_of_the_largest_activation_and_the_largest
     described = describe_config(tiny, precision="32-true", options=FSDPPlusOptions(), batch=ForwardBatch(2, 16))
     vocab = json.loads((tiny / "config.json").read_text())["vocab_size"]
     assert described.largest_activation_bytes == 2 * 16 * vocab * 4  # the logits (fp32) are the largest saved
+
+
+def test_the_real_peak_adds_the_platforms_gather_copy_of_the_largest_unit_and_its_allocator_factor():
+    import math
+
+    from lightning_fsdp_plus.memory.allocator import PLATFORMS
+    from lightning_fsdp_plus.memory.estimate import ModelDescription, estimate_strategy
+    from lightning_fsdp_plus.plan import ParamInfo, ShardingStrategy
+
+    def info(name, shape):
+        return ParamInfo(name, shape, torch.float32, True, True, 0)
+
+    # unit a: 1000 elements (4000 bytes gathered in fp32), the root 100
+    model = ModelDescription(units=((info("a.weight", (100, 10)),), (info("r.weight", (10, 10)),)),
+                             activation_bytes=500)  # fmt: skip
+
+    def estimate(strategy=ShardingStrategy.FULL_SHARD, platform="cuda"):
+        return estimate_strategy(model, sharding_strategy=strategy, world_size=2, precision="32-true",
+                                 platform=PLATFORMS[platform])  # fmt: skip
+
+    cuda, tcmalloc, glibc = estimate(), estimate(platform="cpu-tcmalloc"), estimate(platform="cpu-glibc")
+    assert cuda.live_peak_bytes_per_rank == cuda.real_peak_bytes_per_rank == cuda.peak_with_transient_bytes_per_rank
+    assert tcmalloc.live_peak_bytes_per_rank == cuda.peak_with_transient_bytes_per_rank + 4000  # gloo's temporary
+    assert tcmalloc.real_peak_bytes_per_rank == math.ceil(tcmalloc.live_peak_bytes_per_rank * 1.10)
+    assert glibc.real_peak_bytes_per_rank == math.ceil(tcmalloc.live_peak_bytes_per_rank * 2.7)
+    assert (tcmalloc.platform, glibc.platform) == ("cpu-tcmalloc", "cpu-glibc")
+    no_shard = estimate(ShardingStrategy.NO_SHARD, platform="cpu-tcmalloc")  # nothing is gathered over ranks
+    assert no_shard.live_peak_bytes_per_rank == no_shard.peak_with_transient_bytes_per_rank

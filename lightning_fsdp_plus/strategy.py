@@ -43,6 +43,7 @@ from lightning_fsdp_plus.checkpoint import (
     saved_optimizer_count,
     state_dict_options,
 )
+from lightning_fsdp_plus.cpu_threads import restore_threads, share_cores
 from lightning_fsdp_plus.failures import announce_failure, start_failure_watch
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import find_peft_model
@@ -151,7 +152,6 @@ class FSDPPlusStrategy(ParallelStrategy):
     broadcast = ModelParallelStrategy.broadcast
     reduce = ModelParallelStrategy.reduce
     _determine_device_ids = ModelParallelStrategy._determine_device_ids
-    teardown = ModelParallelStrategy.teardown
     load_model_state_dict = ModelParallelStrategy.load_model_state_dict
     load_optimizer_state_dict = ModelParallelStrategy.load_optimizer_state_dict
     _get_process_group_backend = ModelParallelStrategy._get_process_group_backend
@@ -333,11 +333,16 @@ class FSDPPlusStrategy(ParallelStrategy):
         start_failure_watch()  # one rank's error ends every rank within seconds (failures.py)
         if self.root_device.type == "cpu":
             report_allocator_once()  # glibc's malloc can hold 2-3x a rank's tensors on CPU (memory/allocator.py)
+            share_cores(local_ranks=self.num_processes)  # N ranks x every core each thrash (cpu_threads.py)
         self._device_mesh = build_mesh(
             layout=self.mesh_layout, device_type=self.root_device.type, given=self.options.device_mesh
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    def teardown(self) -> None:
+        ModelParallelStrategy.teardown(self)
+        restore_threads()
 
     def _agreement_group(self) -> Any:
         import torch.distributed as dist

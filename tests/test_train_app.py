@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_fsdp_plus.cpu_threads import cores_per_rank
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
@@ -27,9 +28,11 @@ QUICK = [
 ]
 
 
-def run_app(args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_app(
+    args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "lightning_fsdp_plus.app.train"] if module else [str(CONSOLE_SCRIPT)]
-    return subprocess.run([*command, *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+    return subprocess.run([*command, *args], cwd=cwd, env=env or subprocess_env(), capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 
@@ -38,7 +41,9 @@ def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path
     # the second job lets the auto plan choose (a full fine-tune: 6 candidates, 1 GiB per rank fits them all)
     args = ["-m", "strategy=full_shard,auto", "strategy.memory_budget=1GiB", "trainer.devices=2", *QUICK,
             f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
-    proc = run_app(args, cwd=tmp_path, module=True, timeout=600)
+    # as a user starts it: no OMP_NUM_THREADS, so the strategy gives each rank its share of the cores
+    env = {k: v for k, v in subprocess_env().items() if k != "OMP_NUM_THREADS"}
+    proc = run_app(args, cwd=tmp_path, module=True, timeout=600, env=env)
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
     assert [p.name.split("_", 1)[0] for p in jobs] == ["0", "1"]  # exactly one job per value
@@ -46,6 +51,7 @@ def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path
     for job in jobs:
         metrics = json.loads((job / "metrics.json").read_text())
         assert metrics["world_size"] == 2 and (job / "train_ddp_process_1.log").exists()
+        assert metrics["torch_threads_per_rank"] == cores_per_rank(local_ranks=2)  # never N ranks x every core
         strategies.append(metrics["sharding_strategy"])
         choices.append(metrics["auto_plan"])
     assert strategies[0] == "FULL_SHARD" and choices[0] is None

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
@@ -160,6 +161,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "activation_checkpointing": trainer.strategy.activation_checkpointing is not None,
         "auto_plan": _auto_choice(trainer.strategy),
         "world_size": trainer.world_size,
+        "torch_threads_per_rank": torch.get_num_threads(),  # CPU: the rank's share of the host's cores
         "fit_time_s": fit_seconds,
         **run_metrics.summary(trainer),
         **monitor.summary(trainer),

@@ -5,7 +5,9 @@ whatever its bytes), F = matmul FLOP/s in the compute dtype and F_q the effectiv
 layer (dequantization included):
 
 * compute = forward 2T(W_float/F + W_quant/F_q) + backward the same (input gradients) + 2T W_trainable/F
-  (weight gradients) + with activation checkpointing the forward of every unit but the root again;
+  (weight gradients) + with activation checkpointing the forward of every unit but the root again, + the
+  elementwise work: ``ELEMENTWISE_PASSES`` x the forward's saved activation bytes (with checkpointing, the
+  recomputed ones twice more) ÷ the probed memory bandwidth;
 * collectives, each ``latency + bytes on the wire / bandwidth`` of its kind (ring algorithms: an all-gather or a
   reduce-scatter over S ranks moves (S-1)/S of the data, an all-reduce over R twice (R-1)/R; the probe measures
   each kind, since a backend may run one as another — gloo's reduce-scatter is an all-reduce): per unit, one
@@ -21,8 +23,9 @@ layer (dequantization included):
   max(0, collectives - overlap x compute). ``overlap`` is 0 on CPU (gloo and compute share the cores; measured)
   and 0.8 on GPUs (FSDP2 runs collectives on their own streams, prefetching the next unit).
 
-Attention's own FLOPs (a few per cent at 2k tokens) and per-module Python overhead (the same for every candidate)
-are left out: the model ranks candidates, it does not forecast wall time to the percent.
+Attention's own FLOPs (a few per cent at 2k tokens) count in the elementwise passes. Measured on CPU at 12.8M-400M
+parameters the step time is predicted within 25% (docs/autoplan.md); on GPUs the passes (fp32 on CPU, bf16 there)
+are an assumption until a GPU run confirms them.
 """
 
 from __future__ import annotations
@@ -42,6 +45,11 @@ from lightning_fsdp_plus.memory.estimate import (
 )
 from lightning_fsdp_plus.plan import ParamInfo, resolve_mesh_layout
 
+ELEMENTWISE_PASSES = 36.0
+"""Elementwise work of a step (norms, activations, residuals, attention's softmax, LoRA's scaling, the int8 weights'
+dequantization, autograd's bookkeeping) as streaming passes over the forward's saved activations: the step time
+``aten::mm`` and the collectives leave unexplained, ÷ (saved activation bytes / probed memory bandwidth), measured on
+2 CPU ranks (fp32, LoRA on int8 Llamas of 12.8M, 135M and 400M parameters: 39, 33 and 38; docs/autoplan.md)."""
 GPU_OVERLAP = 0.8
 """Share of the compute time that hides collectives on GPUs (separate streams, FSDP2's prefetch)."""
 CPU_LINK_BANDWIDTH = 1.1e9
@@ -66,6 +74,8 @@ class Hardware:
     they differ from the link's (gloo runs a reduce-scatter as an all-reduce)."""
     optimizer_rate: float = 1e9
     """Parameter elements per second the optimizer (AdamW) updates on the device."""
+    memory_bandwidth: float = 0.0
+    """Bytes per second a streaming elementwise operation moves (0: no elementwise term)."""
     quantized_flops: Mapping[str, float] = field(default_factory=dict)
     """Effective FLOP/s of a quantized frozen linear layer (forward and input gradient), per kind."""
     host_optimizer_rate: float = 1e9
@@ -104,6 +114,7 @@ def _preset(
     flops = tflops * 1e12 * 0.45
     return Hardware(
         matmul_flops=flops, link_bandwidth=link * 1e9, link_latency=20e-6, optimizer_rate=hbm * 1e9 * 0.5 / 28,
+        memory_bandwidth=hbm * 1e9 * 0.5,
         quantized_flops={"int8": flops * int8, "nf4": flops * nf4, "fp4": flops * nf4},
         host_optimizer_rate=1e9, pcie_bandwidth=pcie * 1e9, overlap=GPU_OVERLAP, accelerator=True,
         device_memory=gib * 2**30,
@@ -180,6 +191,11 @@ def predict_step_time(
         in_root = sum(weight_elements(p) for p in model.units[-1])
         recompute = forward * (1 - in_root / in_units) if in_units else 0.0
     compute = forward + backward + recompute
+    if hardware.memory_bandwidth and model.activation_bytes:
+        # the forward's elementwise work over every activation, again for what checkpointed units recompute
+        touched = model.activation_bytes + (2 * model.recompute_bytes * (len(model.units) - 1)
+                                            if candidate.activation_checkpointing else 0)  # fmt: skip
+        compute += ELEMENTWISE_PASSES * touched / hardware.memory_bandwidth
 
     def collective(kind: str, nbytes: float, ranks: int) -> float:
         if ranks <= 1 or nbytes <= 0:

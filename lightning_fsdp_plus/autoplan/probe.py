@@ -2,7 +2,8 @@
 
 Every rank times the same things at once (as it will train): a linear layer of the model's shape forward and
 backward in the run's precision, the allowed quantized layers (forward and input gradient, bitsandbytes kernels),
-two all-gathers of different sizes on the group (latency and bandwidth from the pair), an AdamW step, and on
+two all-gathers of different sizes on the group (latency and bandwidth from the pair), an AdamW step, a streaming
+elementwise operation (the memory bandwidth elementwise work runs at), and on
 GPUs a host-to-device copy and an AdamW step in host memory. The ranks then share their timings and every rank
 takes the slowest one per item, so all ranks build the same :class:`~lightning_fsdp_plus.autoplan.cost.Hardware`.
 """
@@ -100,6 +101,13 @@ def _optimizer_seconds(numel: int, *, dtype: torch.dtype, device: torch.device) 
     return _timed(optimizer.step, device=device)
 
 
+def _memory_seconds(*, device: torch.device, numel: int = 8 << 20) -> dict[str, float]:
+    """A streaming elementwise operation (``c = a + b`` over 32 MiB fp32 tensors): the bytes it moves and its time."""
+    a, b = torch.ones(numel, device=device), torch.ones(numel, device=device)
+    c = torch.empty_like(a)
+    return {"memory_s": _timed(lambda: torch.add(a, b, out=c), device=device, repeats=5), "memory_bytes": 3 * 4 * numel}
+
+
 def measure(
     *,
     features: tuple[int, int],
@@ -120,7 +128,8 @@ def measure(
         out[f"{kind}_s"] = _linear_seconds(features=features, tokens=tokens, precision=precision, device=device,
                                            quantize=kind)  # fmt: skip
         out[f"{kind}_flops"] = 2 * flops
-    small, large = 4 << 10, (256 << 20) if gpu else (8 << 20)
+    # on CPU 64 MiB: with 8 MiB a few ms of scheduling noise in either timing swung the bandwidth 1-9 GB/s
+    small, large = 4 << 10, (256 << 20) if gpu else (64 << 20)
     if initialized() and dist.get_world_size(group) > 1:
         out |= {"collective_small": small, "collective_large": large}
         for kind in COLLECTIVES:
@@ -129,6 +138,7 @@ def measure(
     stored = compute_dtype(precision) if precision.endswith("true") and precision != "32-true" else torch.float32
     numel = (1 << 24) if gpu else (1 << 20)
     out |= {"optimizer_s": _optimizer_seconds(numel, dtype=stored, device=device), "optimizer_numel": numel}
+    out |= _memory_seconds(device=device)
     if gpu:
         host = torch.empty(64 << 20, dtype=torch.uint8).pin_memory()
         out |= {"pcie_s": _timed(lambda: host.to(device, non_blocking=True), device=device), "pcie_bytes": host.numel(),
@@ -156,6 +166,7 @@ def hardware_from(timings: Sequence[dict[str, float]], *, world_size: int, accel
         link_latency=latency,
         collectives=links,
         optimizer_rate=numel / slowest["optimizer_s"],
+        memory_bandwidth=slowest["memory_bytes"] / slowest["memory_s"],
         quantized_flops=quantized,
         host_optimizer_rate=numel / slowest.get("host_optimizer_s", slowest["optimizer_s"]),
         pcie_bandwidth=slowest["pcie_bytes"] / slowest["pcie_s"] if "pcie_s" in slowest else 0.0,

@@ -25,9 +25,10 @@ LIBRARY_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr
 """Where :func:`tcmalloc_path` looks."""
 _KNOWN = {"tcmalloc": "tcmalloc", "jemalloc": "jemalloc", "mimalloc": "mimalloc"}
 TCMALLOC_FACTOR = 1.10
-"""Process memory added ÷ live tensor bytes at the peak under tcmalloc (docs/memory.md)."""
-GLIBC_FACTOR = 2.7
-"""The same under glibc's ``malloc``: the largest ratio measured (docs/memory.md)."""
+"""Process memory added ÷ live tensor bytes at the peak under tcmalloc: 1.05-1.20 measured at 12.8M-400M, LoRA on
+int8 and float bases (docs/memory.md)."""
+GLIBC_FACTOR = 2.4
+"""The same under glibc's ``malloc``: 2.24 measured at 12.8M and 135M, 2.34 at 400M (docs/memory.md)."""
 
 
 def allocator_in_use(maps: Path = Path("/proc/self/maps")) -> str:
@@ -99,12 +100,12 @@ PLATFORMS: dict[str, Platform] = {
         "assumed: NCCL gathers in place; the caching allocator's reserve above its"
         " tensors is what memory_margin keeps free (to be confirmed on a GPU)",
     ),
-    "cpu-tcmalloc": Platform("cpu-tcmalloc", 1, TCMALLOC_FACTOR, "measured: docs/memory.md, 2 CPU ranks, 12.8M-400M"),
+    "cpu-tcmalloc": Platform("cpu-tcmalloc", 1, TCMALLOC_FACTOR, "measured: 2 CPU ranks, 12.8M-400M (docs/memory.md)"),
     "cpu-glibc": Platform(
         "cpu-glibc",
         1,
         GLIBC_FACTOR,
-        "measured: the largest ratio at 12.8M-400M (docs/memory.md); glibc's fragmentation varies run to run",
+        "measured: 2 CPU ranks, 12.8M-400M (docs/memory.md); glibc's fragmentation varies with the order of frees",
     ),
     "cpu-mmap": Platform(
         "cpu-mmap",

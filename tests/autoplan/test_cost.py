@@ -103,3 +103,21 @@ def test_overlap_hides_collectives_behind_compute():
     step = predict(hardware=slow_compute)
     assert step.total == pytest.approx(step.compute + step.optimizer + max(0.0, step.collectives - 0.8 * step.compute))
     assert step.total < step.compute + step.optimizer + step.collectives
+
+
+def test_elementwise_work_is_passes_over_the_saved_activations_at_the_probed_memory_bandwidth():
+    from lightning_fsdp_plus.autoplan.cost import ELEMENTWISE_PASSES
+
+    # 1000 bytes saved; 1 MB/s streaming: ELEMENTWISE_PASSES x 1 ms on top of the matmuls
+    saved = dataclasses.replace(FLOAT, activation_bytes=1000)
+    plain = predict(saved, Candidate(FULL))
+    streamed = predict_step_time(saved, Candidate(FULL), hardware=dataclasses.replace(HW, memory_bandwidth=1e6),
+                                 world_size=2, tokens=10, precision="32-true")  # fmt: skip
+    assert streamed.compute == pytest.approx(plain.compute + ELEMENTWISE_PASSES * 1e-3)
+    # checkpointing: 200 bytes kept, 400 recomputed per unit (one unit but the root): the recomputed bytes twice more
+    kept = dataclasses.replace(FLOAT, activation_bytes=200, recompute_bytes=400)
+    ckpt = predict_step_time(kept, Candidate(FULL, activation_checkpointing=True),
+                             hardware=dataclasses.replace(HW, memory_bandwidth=1e6), world_size=2, tokens=10,
+                             precision="32-true")  # fmt: skip
+    no_stream = predict(kept, Candidate(FULL, activation_checkpointing=True))
+    assert ckpt.compute == pytest.approx(no_stream.compute + ELEMENTWISE_PASSES * (200 + 2 * 400) / 1e6)

@@ -65,7 +65,12 @@ from lightning_fsdp_plus.autoplan import AutoPlan, predict_memory
 from lightning_fsdp_plus.autoplan.budget import format_bytes
 from lightning_fsdp_plus.autoplan.probe import probe_hardware
 from lightning_fsdp_plus.memory.accounting import local_bytes, model_state_bytes
-from lightning_fsdp_plus.memory.allocator import tcmalloc_allocated_bytes, tcmalloc_path
+from lightning_fsdp_plus.memory.allocator import (
+    platform_for,
+    release_free_memory,
+    tcmalloc_allocated_bytes,
+    tcmalloc_path,
+)
 from lightning_fsdp_plus.memory.fake import ForwardBatch
 from lightning_fsdp_plus.options import FSDPPlusOptions
 
@@ -111,7 +116,8 @@ def predict(setting: Setting, family: dict[str, Any]) -> AutoPlan:
     config = setting.config()
     plan = predict_memory(config, options=base, world_size=setting.world_size, precision=PRECISION,
                           batch=ForwardBatch(setting.batch_size, setting.size["seq"]), budget=2**50, margin=0.1,
-                          quantize=family["quantize"], lora_run=family["lora_run"])  # fmt: skip
+                          quantize=family["quantize"], lora_run=family["lora_run"],
+                          platform=platform_for(setting.device.type))  # fmt: skip
     hardware = probe_hardware(features=(config.hidden_size, config.intermediate_size),
                               tokens=setting.batch_size * setting.size["seq"], precision=PRECISION,
                               device=setting.device, quantize=[q for q in family["quantize"] if q])  # fmt: skip
@@ -151,6 +157,7 @@ class TruePeak(Callback):
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         if batch_idx == 0:
             gc.collect()
+            release_free_memory()  # what earlier candidates left in the allocator: as if a fresh process
             self._before = model_state_bytes(trainer.strategy.model).params + sum(
                 local_bytes(b) for b in trainer.strategy.model.buffers())  # fmt: skip
             self._base = self._top = int(Path("/proc/self/statm").read_text().split()[1]) * PAGE

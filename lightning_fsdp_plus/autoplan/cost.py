@@ -6,8 +6,8 @@ layer (dequantization included):
 
 * compute = forward 2T(W_float/F + W_quant/F_q) + backward the same (input gradients) + 2T W_trainable/F
   (weight gradients) + with activation checkpointing the forward of every unit but the root again, + the
-  elementwise work: ``ELEMENTWISE_PASSES`` x the forward's saved activation bytes (with checkpointing, the
-  recomputed ones twice more) ÷ the probed memory bandwidth;
+  elementwise work: ``ELEMENTWISE_PASSES`` x the forward's saved activation bytes (with checkpointing, a third of
+  the recomputed ones more: the forward's share) ÷ the probed memory bandwidth;
 * collectives, each ``latency + bytes on the wire / bandwidth`` of its kind (ring algorithms: an all-gather or a
   reduce-scatter over S ranks moves (S-1)/S of the data, an all-reduce over R twice (R-1)/R; the probe measures
   each kind, since a backend may run one as another — gloo's reduce-scatter is an all-reduce): per unit, one
@@ -45,11 +45,12 @@ from lightning_fsdp_plus.memory.estimate import (
 )
 from lightning_fsdp_plus.plan import ParamInfo, resolve_mesh_layout
 
-ELEMENTWISE_PASSES = 36.0
+ELEMENTWISE_PASSES = 30.0
 """Elementwise work of a step (norms, activations, residuals, attention's softmax, LoRA's scaling, the int8 weights'
 dequantization, autograd's bookkeeping) as streaming passes over the forward's saved activations: the step time
-``aten::mm`` and the collectives leave unexplained, ÷ (saved activation bytes / probed memory bandwidth), measured on
-2 CPU ranks (fp32, LoRA on int8 Llamas of 12.8M, 135M and 400M parameters: 39, 33 and 38; docs/autoplan.md)."""
+``aten::mm`` and the collectives leave unexplained, ÷ (saved activation bytes / probed memory bandwidth). Measured
+on 2 CPU ranks (fp32 LoRA on Llamas of 12.8M, 135M and 400M parameters): 33-39 with an int8 base, about 24 with a
+float one (docs/autoplan.md)."""
 GPU_OVERLAP = 0.8
 """Share of the compute time that hides collectives on GPUs (separate streams, FSDP2's prefetch)."""
 CPU_LINK_BANDWIDTH = 1.1e9
@@ -193,7 +194,8 @@ def predict_step_time(
     compute = forward + backward + recompute
     if hardware.memory_bandwidth and model.activation_bytes:
         # the forward's elementwise work over every activation, again for what checkpointed units recompute
-        touched = model.activation_bytes + (2 * model.recompute_bytes * (len(model.units) - 1)
+        # (a step's elementwise work is about one part forward to two parts backward: recomputing adds a third)
+        touched = model.activation_bytes + (4 / 3 * model.recompute_bytes * (len(model.units) - 1)
                                             if candidate.activation_checkpointing else 0)  # fmt: skip
         compute += ELEMENTWISE_PASSES * touched / hardware.memory_bandwidth
 

@@ -57,6 +57,17 @@ def tcmalloc_allocated_bytes() -> int | None:
     return value.value if query(b"generic.current_allocated_bytes", ctypes.byref(value)) else None
 
 
+def release_free_memory() -> None:
+    """Return the allocator's free memory to the system (tcmalloc's ``ReleaseFreeMemory``, glibc's ``malloc_trim``):
+    a process measuring several runs one after another starts each from its live bytes."""
+    process = ctypes.CDLL(None)
+    release = getattr(process, "MallocExtension_ReleaseFreeMemory", None)
+    if release is not None:
+        release()
+    elif hasattr(process, "malloc_trim"):
+        process.malloc_trim(0)
+
+
 def allocator_advice() -> str | None:
     """One line for a CPU run under glibc's ``malloc`` (``None`` under another allocator)."""
     if allocator_in_use() != "glibc":

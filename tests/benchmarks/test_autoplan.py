@@ -23,12 +23,17 @@ def test_budgets_sit_with_their_usable_part_midway_across_the_widest_gaps():
     assert widest_gap_budgets(peaks, margin=0.5, count=2) == [310, 610]
 
 
-def test_a_budget_passes_only_within_the_budget_and_within_ten_percent_of_the_fastest_that_fits():
+def tiny_plan():
+    """The tiny Llama's full fine-tune plan with room for every candidate, and each candidate's planned peak."""
     config = REPO / "examples" / "assets" / "tiny-llama"
     plan = predict_memory(config, options=FSDPPlusOptions(), world_size=2, precision="32-true",
                           batch=ForwardBatch(1, 16), budget=2**40, margin=0.1, lora_run=False)  # fmt: skip
     plan = plan.with_hardware(Hardware(matmul_flops=1e10, link_bandwidth=1e9))
-    planned = [p.peak_bytes for p in plan.predictions]
+    return plan, [p.peak_bytes for p in plan.predictions]
+
+
+def test_a_budget_passes_only_within_the_budget_and_within_ten_percent_of_the_fastest_that_fits():
+    plan, planned = tiny_plan()
     chosen = plan.chosen
     assert chosen is not None
     # measurements equal to the predictions, the chosen candidate measured fastest: a roomy budget passes
@@ -51,11 +56,7 @@ def test_a_budget_passes_only_within_the_budget_and_within_ten_percent_of_the_fa
 
 
 def test_a_budget_over_a_candidates_measured_peak_holds_when_the_plan_s_choice_stays_inside_it():
-    config = REPO / "examples" / "assets" / "tiny-llama"
-    plan = predict_memory(config, options=FSDPPlusOptions(), world_size=2, precision="32-true",
-                          batch=ForwardBatch(1, 16), budget=2**40, margin=0.1, lora_run=False)  # fmt: skip
-    plan = plan.with_hardware(Hardware(matmul_flops=1e10, link_bandwidth=1e9))
-    planned = [p.peak_bytes for p in plan.predictions]
+    plan, planned = tiny_plan()
     measured = [{"peak_bytes": p, "process_peak_bytes": p, "step_time_s": 1.0} for p in planned]
     largest = max(range(len(planned)), key=planned.__getitem__)
     check = check_over_peak(plan, measured, largest)  # 1.1x the largest: the fastest candidate is chosen, and fits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -57,6 +58,15 @@ def test_scripts_preload_tcmalloc_when_installed_and_the_process_then_runs_on_it
                          capture_output=True, text=True, check=True)  # fmt: skip
     grown, after = map(int, run.stdout.split())
     assert 2**26 <= grown < 2**26 + 2**20 and after < 2**20
+    # tcmalloc keeps a freed 256 MiB resident until asked to give it back
+    probe = (
+        "import torch; from lightning_fsdp_plus.memory.allocator import release_free_memory;"
+        " rss = lambda: int(open('/proc/self/statm').read().split()[1]);"
+        " x = torch.ones(2**28, dtype=torch.uint8); del x; kept = rss(); release_free_memory(); print(kept - rss())"
+    )
+    run = subprocess.run([sys.executable, "-c", probe], env={**subprocess_env(), "LD_PRELOAD": str(found)},
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert int(run.stdout) * os.sysconf("SC_PAGE_SIZE") >= 2**27
     assert tcmalloc_allocated_bytes() is None
     assert allocator_in_use() == "glibc" and f"LD_PRELOAD={found}" in allocator_advice()  # this process: glibc
 

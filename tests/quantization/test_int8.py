@@ -188,3 +188,25 @@ def test_when_nothing_matches_the_error_lists_the_frozen_layer_types():
     with pytest.raises(ValueError, match=r"layer types with frozen weights here: \['Conv1D', 'Embedding', 'LayerNorm', "
                                          r"'Linear'\]"):  # fmt: skip
         prepare_model(_tiny_gpt2(), options)
+
+
+def test_training_on_cpu_does_not_keep_the_input_so_checkpointing_frees_it():
+    # bitsandbytes' MatMul8bitFp keeps its input as ctx.A, out of activation checkpointing's reach
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    _, reference, ours = _pair()
+    for layer, kept in ((reference.train(), True), (ours.train(), False)):
+        inner: list[weakref.ref] = []
+
+        def block(hidden, layer=layer, inner=inner):
+            scaled = hidden * 3  # made inside the checkpointed region: only the layer can keep it past forward
+            inner.append(weakref.ref(scaled))
+            return layer(scaled)
+
+        x = torch.randn(8, 64, requires_grad=True)
+        out = checkpoint(block, x, use_reentrant=False)
+        assert (inner[0]() is not None) is kept
+        out.sum().backward()  # recomputed in backward: the input gradient still arrives
+        assert x.grad is not None and x.grad.abs().sum() > 0

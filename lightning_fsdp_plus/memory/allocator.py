@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -46,12 +47,18 @@ def tcmalloc_path(dirs: tuple[str, ...] = LIBRARY_DIRS) -> Path | None:
     return next((Path(d) / n for d in dirs for n in TCMALLOC_NAMES if (Path(d) / n).is_file()), None)
 
 
+@functools.cache
+def _tcmalloc_property() -> Any:
+    """tcmalloc's ``MallocExtension_GetNumericProperty`` in this process, or ``None`` (looked up once: samplers call
+    :func:`tcmalloc_allocated_bytes` every fraction of a millisecond)."""
+    return getattr(ctypes.CDLL(None), "MallocExtension_GetNumericProperty", None)
+
+
 def tcmalloc_allocated_bytes() -> int | None:
     """Bytes the application holds in tcmalloc now (``generic.current_allocated_bytes``: live allocations, without
     tcmalloc's own free lists); ``None`` when tcmalloc is not this process's allocator."""
-    try:
-        query = ctypes.CDLL(None).MallocExtension_GetNumericProperty
-    except (OSError, AttributeError):
+    query = _tcmalloc_property()
+    if query is None:
         return None
     value = ctypes.c_size_t(0)
     return value.value if query(b"generic.current_allocated_bytes", ctypes.byref(value)) else None

@@ -177,6 +177,11 @@ class Int8Linear(nn.Module):
         )
 
 
+def _dequantized(weight: Tensor, scale: Tensor, *, dtype: torch.dtype) -> Tensor:
+    """``weight * scale / 127`` in ``dtype``, as bitsandbytes' ``MatMul8bitFp`` computes it (a fresh tensor)."""
+    return weight.to(dtype, copy=True).mul_(scale.unsqueeze(1).mul(1.0 / 127.0))
+
+
 class _DequantizedMatmul(torch.autograd.Function):
     """bitsandbytes' CPU/XPU training matmul (``MatMul8bitFp``: the int8 weight dequantized, then a float matmul),
     operation for operation, minus its ``ctx.A``. bitsandbytes keeps the input as a context attribute for a weight
@@ -186,7 +191,7 @@ class _DequantizedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-        dequantized = weight.to(x.dtype).mul_(scale.unsqueeze(1).mul(1.0 / 127.0))
+        dequantized = _dequantized(weight, scale, dtype=x.dtype)
         ctx.save_for_backward(weight, scale)
         ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
         return torch.nn.functional.linear(x, dequantized, bias)
@@ -198,8 +203,8 @@ class _DequantizedMatmul(torch.autograd.Function):
         grad_bias = flat.sum(0) if ctx.needs_input_grad[3] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
-            dequantized = weight.to(ctx.input_dtype, copy=True).mul_(scale.unsqueeze(1).mul(1.0 / 127.0))
-            grad_x = torch.matmul(flat.to(ctx.input_dtype), dequantized).view(ctx.input_shape)
+            grad_x = torch.matmul(flat.to(ctx.input_dtype), _dequantized(weight, scale, dtype=ctx.input_dtype))
+            grad_x = grad_x.view(ctx.input_shape)
         return grad_x, None, None, grad_bias
 
 

@@ -19,6 +19,10 @@ Lightning (2.6.6):
   reuses (process group start, barrier, broadcast, ...; see the strategy);
 - ``_distributed_checkpoint_save``, ``_METADATA_FILENAME``, ``_is_sharded_checkpoint``: Lightning's sharded
   checkpoint layout, which ours keeps;
+- ``Trainer.fit``/``validate``/... assign ``strategy._lightning_module`` after ``_maybe_unwrap_optimized`` and
+  before ``_verify_strategy_supports_compile``: ``FSDPPlusStrategy``'s setter takes a compiled module's dynamo
+  context there and undoes the whole-module compilation (``to_uncompiled``), so that units are compiled instead
+  (``tests/test_compile_distributed.py`` fails if Lightning moves the check before the assignment);
 - ``FSDPPrecision._desired_input_dtype`` (set by ``FSDPPlusPrecision``, which skips ``FSDPPrecision.__init__``)
   and ``Strategy._forward_redirection`` (steps run through the root unit's ``__call__``).
 
@@ -32,6 +36,7 @@ torch (2.13.0):
 - DTensor's caches (``_redistribute``, ``_collective_utils.MeshTopoInfo``, ``debug``): freeing groups at exit;
 - ``_subclasses.fake_tensor.FakeTensorMode``, ``_tools.fsdp2_mem_tracker``, ``testing._internal...FakeStore``:
   the estimator's FakeTensor model and ``--simulate``;
+- ``_dynamo.utils.counters``: graphs compiled and graph breaks (:mod:`~lightning_fsdp_plus.compile`);
 - ``torch._C._nn._parse_to``: ``Tensor.to``'s argument parser (as ``nn.Module.to`` uses it), to see where a
   ``.to`` call sends a tensor (:func:`~lightning_fsdp_plus.lora.adapters_stay_real`).
 """
@@ -71,6 +76,7 @@ __all__ = [
     "clear_dtensor_caches",
     "composable_checkpoint",
     "default_store",
+    "dynamo_counters",
     "fake_store",
     "fake_tensor_mode",
     "fsdp1_policy_base",
@@ -107,6 +113,13 @@ def composable_checkpoint() -> Any:
     from torch.distributed._composable import checkpoint
 
     return checkpoint
+
+
+def dynamo_counters() -> Any:
+    """dynamo's process-wide counters (``stats``: ``unique_graphs``; ``graph_break``: reason -> count)."""
+    from torch._dynamo.utils import counters
+
+    return counters
 
 
 def default_store() -> Any:

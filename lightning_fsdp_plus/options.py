@@ -89,6 +89,12 @@ class FSDPPlusOptions:
     as with ``ModelParallelStrategy``): kept gathered from forward to backward — one all-gather of the root fewer
     per step, for its gathered copy held at the end of forward (the plan's ``reshard`` column, the estimator and the
     auto plan count it). ``True``: memory-lean."""
+    compile: Any = False
+    """``torch.compile`` each FSDP unit's block (torchtitan's way: after LoRA, quantization and activation
+    checkpointing, before ``fully_shard``; one compilation shared by all blocks): ``False``, ``True`` (torch's
+    defaults: inductor) or a dict of ``torch.compile`` arguments (``backend``, ``mode``, ``fullgraph``,
+    ``dynamic``, ``options``). ``trainer.fit(torch.compile(module, ...))`` means the same with those arguments.
+    The first steps compile (seconds per block kind); docs/compile.md says when it pays."""
     lora_only: bool = False
     """Shard only the trainable (LoRA) parameters, their gradients and optimizer state; the frozen (possibly
     int8) base is kept out of FSDP and replicated on every rank. ``False`` shards the base too (memory-lean)."""
@@ -182,6 +188,7 @@ class FSDPPlusOptions:
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise ValueError(f"param_init_fn={self.param_init_fn!r} must be a callable (module) -> None, or None")
         self._set_lora_and_quantization()
+        self._set("compile", _compile_option(self.compile))
         if self.state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={self.state_dict_type!r} is not one of {', '.join(STATE_DICT_TYPES)}")
         if self.start_method not in START_METHODS:
@@ -335,6 +342,14 @@ def _checkpointing_policy(value: Any) -> Any:
     policy = compat.wrap_policy_from(value, key="activation_checkpointing")
     validate_wrap_policy(policy, key="activation_checkpointing")
     return policy
+
+
+def _compile_option(value: Any) -> Any:
+    """``False`` for off, else the validated :class:`~lightning_fsdp_plus.compile.CompileSpec`."""
+    from lightning_fsdp_plus.compile import compile_spec_from
+
+    spec = compile_spec_from(value)
+    return False if spec is None else spec
 
 
 def _timeout(value: Any) -> timedelta | None:

@@ -1,6 +1,7 @@
 """From a module to a sharded, materialized module, in stages every caller shares.
 
-    prepare (LoRA, checks) -> quantize (int8) -> plan (pure data) -> shard (fully_shard) -> materialize (load)
+    prepare (LoRA, checks) -> quantize (int8) -> plan (pure data) -> shard (checkpointing, compile, fully_shard)
+    -> materialize (load)
 
 ``FSDPPlusStrategy.setup`` runs all of them; the memory estimator runs the first three on a meta/FakeTensor
 model, and ``--simulate`` shards that model on a fake process group. Each stage takes the one
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fsdp_plus._private import _materialize_distributed_module
+from lightning_fsdp_plus.compile import compile_spec_from
 from lightning_fsdp_plus.loading import load_pretrained_weights
 from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters, init_meta_adapters
 from lightning_fsdp_plus.options import FSDPPlusOptions
@@ -110,6 +112,7 @@ def plan_model(
         cpu_offload=options.cpu_offload and device_type != "cpu",  # on CPU the parameters already live there
         forward_prefetch=options.forward_prefetch,
         float_layers=kept_float(model, skip=options.quantize_skip).items() if options.quantize_base else (),
+        compile=compile_spec_from(options.compile),
     )
 
 

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_fsdp_plus.compile import compiled_paths
+
 AUTO = "auto"
 """The ``sharding_strategy`` value that lets the auto plan (:mod:`lightning_fsdp_plus.autoplan`) choose."""
 
@@ -213,6 +215,10 @@ class ShardingPlan:
     float_layers: tuple[tuple[str, str], ...] = ()
     """With ``quantize_base``: ``(path, why)`` of every frozen linear layer left in float (an output head, a tied
     weight, a ``quantize_skip`` match, a ``nn.Linear`` subclass with its own forward)."""
+    compile: Any = None
+    """The :class:`~lightning_fsdp_plus.compile.CompileSpec` units are compiled with (``None``: eager)."""
+    compiled: tuple[str, ...] = ()
+    """Paths of the unit modules whose ``forward`` is compiled (every unit but the root, or the root alone)."""
     auto_plan: Any = None
     """With ``sharding_strategy="auto"``: the :class:`~lightning_fsdp_plus.autoplan.AutoPlan` this plan was chosen by
     (every candidate, its predictions, the choice)."""
@@ -253,6 +259,8 @@ class ShardingPlan:
             "forward_prefetch": self.forward_prefetch,
             "tied": [{"names": list(t.names), "unit": t.unit or "<root>", "merged": list(t.merged)} for t in self.tied],
             "float_layers": dict(self.float_layers),
+            "compile": None if self.compile is None else self.compile.describe(),
+            "compiled": [p or "<root>" for p in self.compiled],
             "bytes_per_rank": self.bytes_per_rank,
             "auto_plan": None if self.auto_plan is None else self.auto_plan.to_dict(),
         }
@@ -300,6 +308,9 @@ class ShardingPlan:
             )
         if self.activation_checkpointing:
             body.append(f"activation checkpointing: {', '.join(self.activation_checkpointing)}")
+        if self.compile is not None:
+            body.append(f"compiled ({self.compile.describe()}, each unit's forward):"
+                        f" {', '.join(p or '<root>' for p in self.compiled)}")  # fmt: skip
         for group in self.tied:
             merged = f" ({', '.join(group.merged)}: not a unit, it would split them)" if group.merged else ""
             body.append(f"tied weights: {' = '.join(group.names)} in unit {group.unit or '<root>'}{merged}")
@@ -350,6 +361,7 @@ def build_sharding_plan(
     forward_prefetch: bool = False,
     keep_tied_together: bool = True,
     float_layers: Iterable[tuple[str, str]] = (),
+    compile: Any = None,
 ) -> ShardingPlan:
     """Compute the plan: ``unit_paths`` (besides the root, which is always a unit) become FSDP units.
 
@@ -412,6 +424,8 @@ def build_sharding_plan(
         forward_prefetch=forward_prefetch,
         tied=tied,
         float_layers=tuple(float_layers),
+        compile=compile,
+        compiled=compiled_paths(u.path for u in units) if compile is not None else (),
     )
 
 

@@ -5,9 +5,6 @@ This is the only module that calls ``fully_shard``.
 
 from __future__ import annotations
 
-import functools
-import inspect
-import logging
 from collections.abc import Collection, Iterator
 from itertools import pairwise
 from typing import Any
@@ -20,9 +17,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 
 from lightning_fsdp_plus._dist import all_gather_object as _all_gather_object
 from lightning_fsdp_plus._private import composable_checkpoint
+from lightning_fsdp_plus.compile import compile_units
+from lightning_fsdp_plus.kv_cache import drop_cache_under_grad
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan
-
-log = logging.getLogger(__name__)
 
 
 def init_mesh(*, layout: MeshLayout, device_type: str) -> DeviceMesh:
@@ -52,6 +49,8 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMes
     The plan's replicated parameters are FSDP2 ``ignored_params`` of the unit that holds them.
     """
     apply_activation_checkpointing(model, plan.activation_checkpointing)
+    if plan.compile is not None:  # torchtitan's order: checkpointing -> compile -> fully_shard
+        compile_units(model, plan.compiled, spec=plan.compile)
     offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
     replicated = {p.name for p in plan.replicated}
     ignored = {id(p) for name, p in model.named_parameters(remove_duplicate=False) if name in replicated}
@@ -74,11 +73,6 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMes
     return sharded
 
 
-CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value", "layer_past")
-"""The names transformers layers take their key/value cache by (renamed over versions; GPT-2 passes it by
-position)."""
-
-
 def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> None:
     """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``).
 
@@ -94,7 +88,7 @@ def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> 
         module = model.get_submodule(path)
         if transformers_checkpointing(module):
             module.gradient_checkpointing = False
-        module.register_forward_pre_hook(_without_cache_under_grad, with_kwargs=True)  # before checkpoint's hook
+        drop_cache_under_grad(module, why="activation checkpointing recomputes its forward in backward")
         checkpoint(module)
 
 
@@ -109,37 +103,6 @@ def model_checkpointed_layers(model: nn.Module) -> Iterator[str]:
     """Paths of the layers the model's own ``gradient_checkpointing_enable()`` checkpoints (see
     :func:`transformers_checkpointing`): the plan checkpoints them itself."""
     return (path for path, module in model.named_modules() if transformers_checkpointing(module))
-
-
-@functools.cache
-def _forward_signature(cls: type) -> inspect.Signature:
-    return inspect.signature(cls.forward)
-
-
-def _without_cache_under_grad(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-    if not torch.is_grad_enabled() or getattr(module, "_can_checkpoint_with_cache", False):
-        return None  # no backward, no recomputation; or a layer that only reads its cache
-    if len(args) <= 1 and not kwargs.get("use_cache") and all(kwargs.get(n) is None for n in CACHE_ARGUMENTS):
-        return None  # nothing to drop (the app's use_cache=False): no signature binding per layer call
-    try:
-        bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
-    except TypeError:
-        return None  # the call itself is wrong: let forward say so
-    dropped = [name for name in CACHE_ARGUMENTS if bound.arguments.get(name) is not None]
-    if not dropped and not bound.arguments.get("use_cache"):
-        return None
-    for name in dropped:
-        bound.arguments[name] = None
-    if "use_cache" in bound.arguments:
-        bound.arguments["use_cache"] = False
-    _note_cache_dropped(type(module).__name__)
-    return bound.args[1:], bound.kwargs
-
-
-@functools.cache
-def _note_cache_dropped(layer: str) -> None:
-    log.info(f"activation checkpointing: {layer} runs without its key/value cache while computing gradients (its"
-             " forward is recomputed in backward and would write the cache twice)")  # fmt: skip
 
 
 def set_explicit_prefetch(units: list[FSDPModule]) -> None:

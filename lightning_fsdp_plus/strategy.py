@@ -43,6 +43,7 @@ from lightning_fsdp_plus.checkpoint import (
     saved_optimizer_count,
     state_dict_options,
 )
+from lightning_fsdp_plus.compile import from_compiled_module
 from lightning_fsdp_plus.cpu_threads import restore_threads, share_cores
 from lightning_fsdp_plus.failures import announce_failure, start_failure_watch
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
@@ -273,7 +274,11 @@ class FSDPPlusStrategy(ParallelStrategy):
     @_lightning_module.setter
     def _lightning_module(self, model: pl.LightningModule | None) -> None:
         # Trainer.fit/validate assign the module here before launching any process: the earliest moment to
-        # resolve wrap and checkpointing class names against the model (unless configure_model builds layers).
+        # resolve wrap and checkpointing class names against the model (unless configure_model builds layers),
+        # and to take a compiled module's compiler for the units (before Lightning checks compile support).
+        compiled = None if model is None else from_compiled_module(model, option=self.options.compile)
+        if compiled is not None:
+            self.options = self.options.replace(compile=compiled)
         if model is not None and not is_overridden("configure_model", model):
             prepare_model(model, self.options)
             if self.options.auto:  # a budget nothing fits fails here, before any process starts

@@ -45,6 +45,16 @@ def strategy_runs(tmp_path_factory) -> tuple[Path, str]:
 
 
 @pytest.fixture(scope="session")
+def compile_runs(tmp_path_factory) -> tuple[Path, str]:
+    """Every compiled case of ``dist_cases.py`` (``COMPILED_CASES``) in one 2-process launch: (out dir, output)."""
+    from tests.helpers.dist_cases import COMPILED_CASES
+
+    out = tmp_path_factory.mktemp("compile_runs")
+    output = run_script(DIST_CASES, "--out", str(out), "--cases", ",".join(COMPILED_CASES), torchrun=2)
+    return out, output
+
+
+@pytest.fixture(scope="session")
 def reference():
     """Memoised single-process reference runs, keyed by their keyword arguments."""
     cache: dict[tuple, tuple[list[float], dict[str, torch.Tensor]]] = {}

@@ -46,7 +46,9 @@ def test_checkpointed_decoder_with_its_cache_on_computes_the_same_gradients(arch
     reference = grads_after_backward(copy.deepcopy(model))
     apply_activation_checkpointing(model, [f"{layers}.0", f"{layers}.1"])
     grads = grads_after_backward(model)
-    assert max((grads[n] - g).abs().max().item() for n, g in reference.items()) == 0
+    # equal up to float rounding: GPT-2's attention without a cache may take another kernel path (6e-8 on some
+    # CPUs); keys appended twice, the bug this guards against, move gradients by orders of magnitude more
+    assert max((grads[n] - g).abs().max().item() for n, g in reference.items()) < 1e-6
 
 
 def test_without_gradients_a_checkpointed_layer_keeps_writing_its_cache():
@@ -68,5 +70,7 @@ def test_the_models_own_checkpointing_becomes_the_plans_and_is_switched_off_on_t
     apply_activation_checkpointing(model, layers)
     assert list(model_checkpointed_layers(model)) == []  # recomputed once, by the plan's checkpoint
     grads = grads_after_backward(model)
-    assert max((grads[n] - g).abs().max().item() for n, g in reference.items()) == 0
+    # equal up to float rounding: GPT-2's attention without a cache may take another kernel path (6e-8 on some
+    # CPUs); keys appended twice, the bug this guards against, move gradients by orders of magnitude more
+    assert max((grads[n] - g).abs().max().item() for n, g in reference.items()) < 1e-6
     assert checkpointed_paths(tiny_llama(), FSDPPlusOptions()) == []  # nothing asked, nothing checkpointed

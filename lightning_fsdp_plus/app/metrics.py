@@ -36,6 +36,7 @@ class RunMetrics(Callback):
         self.warmup_steps = warmup_steps
         self.step_times: list[float] = []
         self.tokens_per_step: list[int] = []
+        self.first_step_s = float("nan")
         self._start = 0.0
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -45,6 +46,8 @@ class RunMetrics(Callback):
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Stop the clock and count this step's tokens."""
         elapsed = time.perf_counter() - self._start
+        if self.first_step_s != self.first_step_s:  # the first step this process ran (compiles, allocates)
+            self.first_step_s = elapsed
         if trainer.global_step > self.warmup_steps:
             self.step_times.append(elapsed)
             self.tokens_per_step.append(count_tokens(batch))
@@ -56,6 +59,7 @@ class RunMetrics(Callback):
         return {
             "step_time_s_median": median,
             "tokens_per_s_rank": tokens / median if self.step_times else float("nan"),
+            "first_step_s": self.first_step_s,
         }
 
     def summary(self, trainer: Any) -> dict[str, float]:
@@ -64,4 +68,5 @@ class RunMetrics(Callback):
         return {
             "step_time_s_median": max(r["step_time_s_median"] for r in ranks),
             "tokens_per_s": sum(r["tokens_per_s_rank"] for r in ranks),
+            "first_step_s": max(r["first_step_s"] for r in ranks),
         }

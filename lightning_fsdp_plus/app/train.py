@@ -54,6 +54,7 @@ from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_co
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
+from lightning_fsdp_plus.compile import compile_counters, eager_for_generation
 from lightning_fsdp_plus.failures import report_failure
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
@@ -162,6 +163,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "auto_plan": _auto_choice(trainer.strategy),
         "world_size": trainer.world_size,
         "torch_threads_per_rank": torch.get_num_threads(),  # CPU: the rank's share of the host's cores
+        "compile": _compile_report(trainer.strategy),
         "fit_time_s": fit_seconds,
         **run_metrics.summary(trainer),
         **monitor.summary(trainer),
@@ -202,18 +204,27 @@ def evaluate(cfg: DictConfig, *, trainer: Trainer, module: Any, datamodule: Any,
     return metrics
 
 
+def _compile_report(strategy: Any) -> dict[str, Any] | None:
+    """With ``strategy.compile``: units compiled, and dynamo's graphs and graph breaks in this (rank 0) process."""
+    plan = strategy.sharding_plan
+    if plan.compile is None:
+        return None
+    return {"spec": plan.compile.describe(), "units": len(plan.compiled), **compile_counters()}
+
+
 def write_generations(trainer: Trainer, datamodule: Any, path: Path, settings: DictConfig) -> None:
     """Answer held-out prompts greedily with the sharded model (all ranks decode together); rank 0 writes."""
     prompts = datamodule.generation_prompts(settings.num_prompts)
     model = trainer.strategy.model
     model.eval()
-    answers = greedy_generate(
-        lambda ids: model(input_ids=ids).logits,
-        datamodule.tokenizer,
-        [p["prompt"] for p in prompts],
-        max_new_tokens=settings.max_new_tokens,
-        device=trainer.strategy.root_device,
-    )
+    with eager_for_generation():  # a new length per token: compiling each would cost more than it saves
+        answers = greedy_generate(
+            lambda ids: model(input_ids=ids).logits,
+            datamodule.tokenizer,
+            [p["prompt"] for p in prompts],
+            max_new_tokens=settings.max_new_tokens,
+            device=trainer.strategy.root_device,
+        )
     if trainer.is_global_zero:
         rows = [{**p, "generated": a} for p, a in zip(prompts, answers, strict=True)]
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

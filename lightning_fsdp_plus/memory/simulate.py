@@ -42,6 +42,7 @@ def simulate_peak(
     if dist.is_initialized():
         raise EstimateError("simulate=True starts a fake process group: run it where none is initialised")
     layout = options.mesh_layout(world_size=world_size)
+    options = options.replace(compile=False)  # FSDPMemTracker measures the eager model (docs/compile.md: memory)
     dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store()())
     try:
         mesh = init_mesh(layout=layout, device_type="cpu")  # real tensors: the mesh reads its ranks

@@ -124,6 +124,19 @@ def test_bad_keys_and_types_fail_at_compose_time_with_the_key_path(override, exc
         assert f"full_key: {override.split('=')[0]}" in text
 
 
+def test_compile_takes_true_or_torch_compile_arguments_from_the_command_line():
+    from lightning_fsdp_plus.compile import CompileSpec
+
+    assert compose("config").strategy.compile is False
+    cfg = compose("config", overrides=["strategy.compile=true"])
+    validate_run_config(cfg)
+    assert instantiate(cfg.strategy, _convert_="all").options.compile == CompileSpec()
+    cfg = compose("config", overrides=["strategy.compile={backend:aot_eager,dynamic:true}"])
+    validate_run_config(cfg)
+    spec = instantiate(cfg.strategy, _convert_="all").options.compile
+    assert dict(spec.kwargs) == {"backend": "aot_eager", "dynamic": True}
+
+
 def test_sharding_strategy_is_case_insensitive_in_configs_too():
     cfg = compose("config", overrides=["strategy.sharding_strategy=shard_grad_op"])
     assert cfg.strategy.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
@@ -148,6 +161,10 @@ def test_sharding_strategy_is_case_insensitive_in_configs_too():
         (["+ckpt_pth=last"], r"ckpt_pth: nothing reads this key \(did you mean ckpt_path\?\)"),
         (["+trainer.ckpt_path=last"], r"trainer.ckpt_path: nothing reads this key \(did you mean the top-level key"),
         (["strategy=lora_only", "strategy.lora.r=0"], r"strategy.lora.r=0 must be a positive integer"),
+        (["strategy.compile={backend:eager,fulgraph:true}"],
+         r"strategy.compile has 'fulgraph'=True, which is not a torch.compile argument it takes; valid keys: backend,"
+         r" mode, fullgraph, dynamic, options"),
+        (["strategy.compile=yes"], r"strategy.compile='yes' must be false, true, or a dict of torch.compile"),
         (["strategy=lora_only", "strategy.lora.dropout=1.5"], r"strategy.lora.dropout=1.5 must be a probability"),
         (["model=pretrained", "model.name_or_path=examples/assets/tiny-lama"],
          r"model.name_or_path='examples/assets/tiny-lama' does not exist \(relative to .*\) \(did you mean"

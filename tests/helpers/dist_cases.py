@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from lightning_fsdp_plus import FSDPPlusPrecision, FSDPPlusStrategy
 from lightning_fsdp_plus._dist import barrier, rank
 from lightning_fsdp_plus.app.lm import CausalLMModule
+from lightning_fsdp_plus.compile import compile_counters, graph_break_reasons, reset_compile_counters
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory import MemoryMonitor
 from lightning_fsdp_plus.memory.accounting import local_bytes
@@ -143,6 +144,41 @@ CASES: dict[str, dict] = {
         "trainer": {"precision": "bf16-mixed"},
     },
 }
+AOT_EAGER = {"backend": "aot_eager"}
+"""The tests' compile backend: dynamo's capture and AOTAutograd's joint graph, run with eager kernels (fast to build;
+inductor's own code generation is covered by the Llama cases)."""
+
+
+def _compiled(name: str, compile: dict | bool = AOT_EAGER, **extra) -> dict:
+    spec = CASES[name]
+    return {**spec, **extra, "strategy": {**spec["strategy"], "compile": compile}, "eager": name}
+
+
+COMPILED_CASES: dict[str, dict] = {
+    # issue 33: each compared with its eager case (``eager``) from the same data and seeds, in one launch
+    **{
+        f"{name}_compiled": _compiled(name)
+        for name in (
+            "full_shard_sgd",
+            "shard_grad_op_sgd",
+            "no_shard_sgd",
+            "hybrid_shard_sgd",
+            "ac_prefetch_sgd",
+            "clip_norm",
+            "bf16_mixed",
+            "bf16_true",
+            "lora_int8_replicated",
+            "lora_int8_sharded",
+            "lora_nf4_sharded",
+        )
+    },
+    "llama_auto_compiled": _compiled("llama_auto", compile=True),  # inductor
+    # trainer.fit(torch.compile(module)): the same as compile=True
+    "llama_auto_fit_compiled": {**CASES["llama_auto"], "eager": "llama_auto", "fit_compiled": {}},
+    # checkpoints both ways: an eager and a compiled run's checkpoints resumed by the other kind (run_interop)
+    "llama_checkpoint_interop": {"interop": True},
+}
+"""Compiled twins of eager cases (``tests/test_compile_distributed.py``); not in the default ``--cases``."""
 LORA_STEPS, LORA_LR = 20, 0.5
 TIED_LR = 0.1
 
@@ -210,6 +246,8 @@ class Recorder(Callback):
             "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
             "base_linear_bytes": base_linear_bytes(module),
             "seen_scale": self.seen_scale,
+            "compile": compile_counters(),
+            "graph_breaks": graph_break_reasons(),
             "monitor": {
                 "peak": self.monitor.peak.to_dict(),
                 "model_state_peak": self.monitor.model_state_peak,
@@ -272,8 +310,48 @@ def _local_checksum(module) -> float:
     return float(sum(t.detach().double().abs().sum() for t in local))
 
 
+def run_interop(name: str, out: Path) -> None:
+    """An eager and a compiled Llama train 6 steps and save a sharded checkpoint each; then an eager run resumes the
+    compiled run's checkpoint and a compiled run the eager one's, 2 more steps each. Rank 0 writes
+    ``<name>.<eager|compiled>_from_<other>.pt`` (full state dicts) and ``<name>.saved_<kind>.pt``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    def fit(kind: str, *, steps: int, resume: Path | None = None) -> Trainer:
+        torch._dynamo.reset()
+        seed_everything(0, workers=True)
+        compile = AOT_EAGER if kind == "compiled" else False
+        trainer = Trainer(strategy=FSDPPlusStrategy(compile=compile), accelerator="cpu", devices=2, max_steps=steps,
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, use_distributed_sampler=False)  # fmt: skip
+        loader = DataLoader(TokenDataset(), batch_size=4)
+        trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader, ckpt_path=resume)
+        return trainer
+
+    def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(trainer.strategy.model, options=options)
+
+    saved = {}
+    for kind in ("eager", "compiled"):
+        trainer = fit(kind, steps=6)
+        saved[kind] = out / f"{name}.{kind}.ckpt"
+        trainer.save_checkpoint(saved[kind])
+        state = full_state(trainer)
+        if trainer.global_rank == 0:
+            torch.save(state, out / f"{name}.saved_{kind}.pt")
+    for kind, other in (("eager", "compiled"), ("compiled", "eager")):
+        trainer = fit(kind, steps=8, resume=saved[other])
+        state = full_state(trainer)
+        if trainer.global_rank == 0:
+            torch.save({"state": state, "global_step": trainer.global_step}, out / f"{name}.{kind}_from_{other}.pt")
+
+
 def run_case(name: str, out: Path, start_method: str = "popen") -> None:
-    spec = CASES[name]
+    spec = CASES[name] if name in CASES else COMPILED_CASES[name]
+    if spec.get("interop"):
+        return run_interop(name, out)
+    torch._dynamo.reset()  # each case compiles afresh: its counters count its own compilations
+    reset_compile_counters()
     seed_everything(0, workers=True)
     # memory logged every 2 steps (max over ranks), the cache "emptied" every 2 (a no-op on CPU, but recorded)
     monitor = MemoryMonitor(log_every_n_steps=2, empty_cache_every_n_steps=2)
@@ -314,7 +392,10 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
         trainer.fit(sgd_causal_lm(tied_model(spec["tied"]), lr=TIED_LR), loader)
     elif spec.get("llama"):
         loader = DataLoader(TokenDataset(), batch_size=4)
-        trainer.fit(CausalLMModule(tiny_llama(), lr=1e-2), train_dataloaders=loader)
+        module = CausalLMModule(tiny_llama(), lr=1e-2)
+        if "fit_compiled" in spec:
+            module = torch.compile(module, **spec["fit_compiled"])
+        trainer.fit(module, train_dataloaders=loader)
     else:
         module = TinyLM(**spec.get("module", {}))
         if spec.get("perturb_rank1") and os.environ.get("LOCAL_RANK") == "1":

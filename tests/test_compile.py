@@ -1,0 +1,147 @@
+"""``compile`` in one process: the option's validation, which units are compiled, what the plan says, and what
+compiling a unit keeps (names, outputs) and does (one graph for every block, also for a decoder given a cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch.utilities.compile import from_compiled
+
+from lightning_fsdp_plus.compile import (
+    CompileSpec,
+    compile_counters,
+    compile_spec_from,
+    compile_units,
+    compiled_paths,
+    eager_for_generation,
+    from_compiled_module,
+    reset_compile_counters,
+)
+from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.plan import MeshLayout, ShardingStrategy, build_sharding_plan
+from tests.helpers.models import VOCAB, TinyLM, make_model, tiny_llama
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    reset_compile_counters()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(False, None), (None, None), (True, CompileSpec()),
+     ({"backend": "eager", "fullgraph": True}, CompileSpec(kwargs={"backend": "eager", "fullgraph": True}))],
+)  # fmt: skip
+def test_the_option_is_off_on_or_torch_compile_arguments(value, expected):
+    assert compile_spec_from(value) == expected
+    assert FSDPPlusOptions(compile=value).compile == (expected or False)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"backend": "eager", "fulgraph": True}, r"compile has 'fulgraph'=True, which is not a torch.compile argument"
+         r" it takes; valid keys: backend, mode, fullgraph, dynamic, options"),
+        ({"fullgraph": "yes"}, r"compile.fullgraph='yes' must be true or false"),
+        ({"dynamic": 1}, r"compile.dynamic=1 must be true, false or null"),
+        ({"mode": "max-autotune", "options": {"max_autotune": True}}, r"torch.compile takes mode or options, not both"),
+        ({"options": "fast"}, r"compile.options='fast' must be a dict of inductor settings"),
+        ({"backend": 3}, r"compile.backend=3 must be a backend name"),
+        ("inductor", r"compile='inductor' must be false, true, or a dict of torch.compile arguments"),
+    ],
+)  # fmt: skip
+def test_bad_values_name_the_key_the_value_and_the_choices(value, message):
+    with pytest.raises(ValueError, match=message):
+        FSDPPlusOptions(compile=value)
+
+
+def test_every_unit_but_the_root_is_compiled_or_the_root_when_alone():
+    assert compiled_paths(["model.blocks.1", "model.blocks.0", ""]) == ("model.blocks.1", "model.blocks.0")
+    assert compiled_paths([""]) == ("",)
+
+
+def test_the_plan_records_and_prints_the_compiled_units():
+    model = make_model()
+    plan = build_sharding_plan(model, unit_paths=["blocks.0", "blocks.1", "blocks.2"],
+                               sharding_strategy=ShardingStrategy.FULL_SHARD, mesh=MeshLayout(1, 2),
+                               compile=CompileSpec(kwargs={"backend": "eager"}))  # fmt: skip
+    assert plan.compiled == ("blocks.0", "blocks.1", "blocks.2")
+    assert plan.to_dict()["compile"] == "torch.compile(backend='eager')"
+    assert "compiled (torch.compile(backend='eager'), each unit's forward): blocks.0, blocks.1, blocks.2" in (
+        plan.format_table()
+    )
+    eager = build_sharding_plan(model, unit_paths=["blocks.0"], sharding_strategy=ShardingStrategy.FULL_SHARD,
+                                mesh=MeshLayout(1, 2))  # fmt: skip
+    assert eager.compiled == () and "compiled" not in eager.format_table()
+
+
+def test_a_compiled_unit_keeps_its_names_and_outputs_and_every_block_shares_one_graph():
+    model, reference = make_model(), make_model()
+    compile_units(model, ["blocks.0", "blocks.1", "blocks.2"], spec=CompileSpec(kwargs={"backend": "aot_eager"}))
+    assert list(model.state_dict()) == list(reference.state_dict())
+    assert type(model.blocks[0]) is type(reference.blocks[0])
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    out, expected = model(tokens), reference(tokens)
+    out.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert compile_counters() == {"graphs": 1, "graph_breaks": 0, "frames": 1}
+    compile_units(model, ["blocks.0"], spec=CompileSpec(kwargs={"backend": "aot_eager"}))  # a second setup
+    model(tokens)
+    assert compile_counters()["graphs"] == 1  # not compiled twice
+
+
+def _llama_step_with_cache(model) -> None:
+    from transformers import DynamicCache
+
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    model(input_ids=tokens, labels=tokens, cache=DynamicCache(), use_cache=True).loss.backward()
+
+
+def test_a_decoder_given_a_cache_is_compiled_once_not_once_per_layer():
+    """A Llama layer given a key/value cache reads its ``layer_idx`` (dynamo guards on it): compiled by hand, each
+    layer is another graph; compiled as units are, the layers run without the cache under grad and share one."""
+    layers = ["model.layers.0", "model.layers.1", "model.layers.2"]
+    by_hand = tiny_llama(layers=3)
+    for path in layers:
+        layer = by_hand.get_submodule(path)
+        layer.forward = torch.compile(layer.forward, backend="eager")
+    _llama_step_with_cache(by_hand)
+    assert compile_counters()["graphs"] == 3
+    torch._dynamo.reset()
+    reset_compile_counters()
+    model = tiny_llama(layers=3)
+    compile_units(model, layers, spec=CompileSpec(kwargs={"backend": "eager"}))
+    _llama_step_with_cache(model)
+    assert compile_counters()["graphs"] == 1
+
+
+def test_generation_runs_compiled_units_eagerly():
+    model = make_model()
+    compile_units(model, ["blocks.0", "blocks.1"], spec=CompileSpec(kwargs={"backend": "eager"}))
+    with torch.no_grad(), eager_for_generation():
+        for length in (3, 4, 5):
+            model(torch.randint(0, VOCAB, (1, length)))
+    assert compile_counters()["graphs"] == 0
+
+
+def test_a_compiled_lightning_module_gives_its_compiler_and_is_uncompiled():
+    module = TinyLM()
+    training_step = module.training_step
+    lightning_view = from_compiled(torch.compile(module, backend="eager"))  # what Trainer.fit does first
+    assert lightning_view is module and module._compiler_ctx is not None
+    spec = from_compiled_module(module)
+    assert spec is not None and spec.context is not None
+    assert spec.describe() == "torch.compile with the arguments of the module passed to trainer.fit"
+    assert module._compiler_ctx is None and module.training_step == training_step  # the whole module: not compiled
+    assert from_compiled_module(TinyLM()) is None
+
+
+def test_the_option_and_a_compiled_module_together_are_refused():
+    module = from_compiled(torch.compile(TinyLM(), backend="eager"))
+    with pytest.raises(ValueError, match=r"compile=CompileSpec\(.*\) and a compiled module passed to trainer.fit"):
+        from_compiled_module(module, option=CompileSpec())

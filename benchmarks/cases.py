@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DataLoader, Dataset
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
@@ -69,7 +69,11 @@ SIZES = {
              "num_key_value_heads": 16, "vocab_size": 512, "seq": 64},
     "400m": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
              "num_key_value_heads": 16, "vocab_size": 512, "seq": 64},
+    # issue 33: the width at which CPU inductor's fusion shows (elementwise work and Python a larger share of a step)
+    "small": {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "vocab_size": 2048, "seq": 128},
 }  # fmt: skip
+LLAMA_SIZES = ("quick", "small", "full", "135m", "400m")
+"""The ``SIZES`` that are Llamas (``benchmarks.run --size``)."""
 GPT_BATCH_SIZE = 8
 """Sequences per rank and step of the small GPT (half with ``--quick``)."""
 LR = 1e-4
@@ -247,8 +251,34 @@ def fsdp_plus(setting: Setting, sharding_strategy: str, **strategy_kwargs: Any) 
     return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR), precision=precision)
 
 
-def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
-    """The same model and sharding with torch only: ``fully_shard`` per decoder layer and the root."""
+class CompileRootParts(Callback):
+    """After sharding: the root's own parts compiled by hand too (the final norm and the loss function), to measure
+    whether compiling more than the blocks pays."""
+
+    def on_fit_start(self, trainer: Trainer, module: torch.nn.Module) -> None:
+        model = module.model
+        norm = model.model.norm
+        norm.forward = torch.compile(norm.forward)
+        model.loss_function = torch.compile(model.loss_function)
+
+
+def fsdp_plus_compiled(
+    setting: Setting, sharding_strategy: str, *, root: bool = False, **kwargs: Any
+) -> dict[str, Any]:
+    """fsdp_plus with ``compile=True`` (each decoder layer, inductor); ``root``: the root's norm and loss as well."""
+    torch._dynamo.reset()  # each case compiles afresh (in process; inductor's on-disk cache stays warm)
+    callbacks = (CompileRootParts(),) if root else ()
+    precision = kwargs.pop("precision", "32-true")
+    strategy = FSDPPlusStrategy(sharding_strategy=sharding_strategy, compile=True, **kwargs)
+    return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR), precision=precision, callbacks=callbacks)
+
+
+def fsdp2_loop(
+    setting: Setting, sharding_strategy: str, *, precision: str = "32-true", compiled: bool = False
+) -> dict[str, Any]:
+    """The same model and sharding with torch only: ``fully_shard`` per decoder layer and the root. ``bf16-mixed``:
+    bf16 parameters in compute, fp32 gradient reduction (``MixedPrecisionPolicy``) and bf16 autocast, as
+    ``FSDPPlusPrecision`` runs it; ``compiled``: each block compiled by hand first, torchtitan's way."""
     strategy = ShardingStrategy.parse(sharding_strategy)
     layout = resolve_mesh_layout(
         sharding_strategy=strategy, world_size=setting.world_size, hybrid_shard_size=setting.hybrid_shard_size
@@ -256,7 +286,13 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
     device = setting.device
     mesh = init_mesh(layout=layout, device_type=device.type)  # torch's init_device_mesh, 1-D or 2-D
     model = _model(setting).to(device)
-    shard_by_hand(model, mesh=mesh, strategy=strategy)
+    if compiled:
+        torch._dynamo.reset()
+        compile_by_hand(model)
+    mixed = precision == "bf16-mixed"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed else None
+    shard_by_hand(model, mesh=mesh, strategy=strategy, mp_policy=policy)
+    autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed, cache_enabled=False)  # noqa: E731
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0, betas=(0.9, 0.95))
     counter = CommCounter()
     clock = StepClock(warmup=setting.warmup, counter=counter, profile_steps=setting.profile_steps)
@@ -265,7 +301,7 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
         for batch in setting.loader():
             batch = batch.to(device)
             clock.mark("start")
-            with SavedActivations() as saved:
+            with SavedActivations() as saved, autocast():
                 loss = model(input_ids=batch, labels=batch).loss
             clock.mark("forward")
             memory.sample(saved.bytes)
@@ -282,12 +318,23 @@ def fsdp2_loop(setting: Setting, sharding_strategy: str) -> dict[str, Any]:
     return {**clock.summary(), **memory.memory()}
 
 
-def shard_by_hand(model: torch.nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy) -> None:
+def shard_by_hand(
+    model: torch.nn.Module, *, mesh: DeviceMesh, strategy: ShardingStrategy, mp_policy: Any = None
+) -> None:
     """The ``fully_shard`` calls a user writes: each decoder layer as the strategy says, then the root with
     FSDP2's default (kept unsharded from forward to backward)."""
+    policy = {"mp_policy": mp_policy} if mp_policy is not None else {}
     for layer in blocks(model):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=strategy.reshard_after_forward, **policy)
+    fully_shard(model, mesh=mesh, **policy)
+
+
+def compile_by_hand(model: torch.nn.Module) -> None:
+    """torchtitan's ``apply_compile``: each block replaced by ``torch.compile(block)`` (inductor), before
+    ``fully_shard`` (which then wraps the compiled module)."""
+    layers = blocks(model)
+    for name, block in list(layers.named_children()):
+        layers.register_module(name, torch.compile(block))
 
 
 class _UserShardedLM(CausalLMModule):
@@ -355,14 +402,18 @@ def _is_lora_layer(module: torch.nn.Module) -> bool:
     return isinstance(module, LoraLayer)
 
 
-def lora(setting: Setting, *, base: str, lora_only: bool, per_layer_units: bool = False) -> dict[str, Any]:
+def lora(
+    setting: Setting, *, base: str, lora_only: bool, per_layer_units: bool = False, compile: bool = False
+) -> dict[str, Any]:
     """LoRA on an int8, NF4 or bf16 base, replicated or sharded, ``bf16-true``; units per decoder layer, or
-    per LoRA-wrapped linear layer."""
-    kwargs: dict[str, Any] = {"lora": LORA, "lora_only": lora_only, "precision": "bf16-true"}
+    per LoRA-wrapped linear layer; ``compile``: each unit compiled (inductor)."""
+    kwargs: dict[str, Any] = {"lora": LORA, "lora_only": lora_only, "precision": "bf16-true", "compile": compile}
     if per_layer_units:
         kwargs["auto_wrap_policy"] = _is_lora_layer
     if base in ("int8", "nf4"):
         kwargs["quantize_base"] = base
+    if compile:
+        torch._dynamo.reset()
     return fsdp_plus(setting, "FULL_SHARD", **kwargs)
 
 
@@ -403,5 +454,17 @@ CASES: dict[str, Callable[[Setting], dict[str, Any]]] = {
     "lora_nf4_sharded": _bind(lora, base="nf4", lora_only=False),
     "lora_bf16_replicated": _bind(lora, base="bf16", lora_only=True),
     "lora_bf16_sharded": _bind(lora, base="bf16", lora_only=False),
+    # issue 33: compile. fp32 and bf16-mixed, FULL_SHARD: fsdp_plus compile=True against the eager references and a
+    # hand-compiled loop (torchtitan's way); the root's parts compiled too; LoRA on int8 / NF4 bases compiled
+    "compiled_fsdp_plus_full_shard": _bind(fsdp_plus_compiled, "FULL_SHARD"),
+    "compiled_fsdp2_loop_full_shard": _bind(fsdp2_loop, "FULL_SHARD", compiled=True),
+    "compiled_root_fsdp_plus_full_shard": _bind(fsdp_plus_compiled, "FULL_SHARD", root=True),
+    "bf16_fsdp_plus_full_shard": _bind(fsdp_plus, "FULL_SHARD", precision="bf16-mixed"),
+    "bf16_fsdp2_loop_full_shard": _bind(fsdp2_loop, "FULL_SHARD", precision="bf16-mixed"),
+    "compiled_bf16_fsdp_plus_full_shard": _bind(fsdp_plus_compiled, "FULL_SHARD", precision="bf16-mixed"),
+    "compiled_bf16_fsdp2_loop_full_shard": _bind(fsdp2_loop, "FULL_SHARD", precision="bf16-mixed", compiled=True),
+    "compiled_lora_int8_replicated": _bind(lora, base="int8", lora_only=True, compile=True),
+    "compiled_lora_int8_sharded": _bind(lora, base="int8", lora_only=False, compile=True),
+    "compiled_lora_nf4_replicated": _bind(lora, base="nf4", lora_only=True, compile=True),
 }
 """Every case by name, in the order a repetition runs them."""

@@ -171,6 +171,7 @@ class StepClock:
         self.tokens: list[int] = []
         self._marks: dict[str, float] = {}
         self._seen = 0
+        self.first_step_s = float("nan")
         self.profile = StepProfile(steps=profile_steps) if profile_steps else None
         self._step_range: Any = None
 
@@ -202,6 +203,8 @@ class StepClock:
             self.profile.step_done()
             return
         self._seen += 1
+        if self._seen == 1:  # the first step: lazy initialisation, and with compile the compilation
+            self.first_step_s = self._marks["end"] - self._marks["start"]
         if self._seen <= self.warmup:
             return
         m = self._marks
@@ -222,6 +225,7 @@ class StepClock:
         profile = {"profile_s": self.profile.summary()} if self.profile is not None else {}
         return profile | {
             "step_time_s": statistics.median(s["step"] for s in self.steps),
+            "first_step_s": self.first_step_s,
             "phases_s": {p: statistics.median(s[p] for s in self.steps) for p in PHASES},
             "tokens_per_step": statistics.median(self.tokens),
             "comm_per_step": {k: statistics.median(c.get(k, 0) for c in self.comm) for k in sorted(keys)},

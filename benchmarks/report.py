@@ -31,6 +31,7 @@ def _per_rep(rep: dict[str, Any]) -> dict[str, Any]:
     step = max(r["step_time_s"] for r in ranks)
     return {
         "step_time_s": step,
+        "first_step_s": max(r.get("first_step_s", float("nan")) for r in ranks),
         "tokens_per_s": sum(r["tokens_per_step"] for r in ranks) / step,
         "phases_s": {p: max(r["phases_s"][p] for r in ranks) for p in PHASES},
         "comm_per_step": {k: max(r["comm_per_step"].get(k, 0) for r in ranks) for k in ranks[0]["comm_per_step"]},
@@ -58,6 +59,7 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             continue
         cases[name] = {
             "step_time_s": _spread([r["step_time_s"] for r in reps[name]]),
+            "first_step_s": [r["first_step_s"] for r in reps[name]],
             "tokens_per_s": _spread([r["tokens_per_s"] for r in reps[name]]),
             "phases_s": {p: statistics.median(r["phases_s"][p] for r in reps[name]) for p in PHASES},
             **{k: v for k, v in reps[name][-1].items() if k.endswith("_per_rank") or k in _KEPT},
@@ -69,7 +71,36 @@ def aggregate(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             cases[name]["profile_s"] = profiled[-1]
     ratios = {label: overhead(reps, cases, plus=plus, references=refs) for label, plus, refs in comparisons(list(reps))}
     return {"cases": cases, "overhead_vs_best_reference": ratios, "int8_vs_bf16_base": _base_ratio(cases, "int8"),
-            "nf4_vs_bf16_base": _base_ratio(cases, "nf4")}  # fmt: skip
+            "nf4_vs_bf16_base": _base_ratio(cases, "nf4"), "compile": compile_ratios(reps, cases)}  # fmt: skip
+
+
+COMPILE_TARGETS = {"eager": 0.85, "hand_compiled": 1.05}
+"""Issue 33's bars: compiled fsdp_plus <= 0.85x the faster eager reference, <= 1.05x the hand-compiled loop."""
+
+
+def compile_ratios(reps: dict[str, list[dict[str, Any]]], cases: dict[str, Any]) -> dict[str, Any]:
+    """Per precision (``fp32``: ``compiled_fsdp_plus_full_shard``; ``bf16-mixed``: ``compiled_bf16_...``):
+    compiled fsdp_plus ÷ the faster eager reference (the loop, ``ModelParallelStrategy``, in fp32 also fsdp_plus
+    eager is shown) and ÷ the hand-compiled loop, within each repetition; the first steps (compilation)."""
+    out = {}
+    for label, tag in (("fp32", ""), ("bf16-mixed", "bf16_")):
+        ours, hand = f"compiled_{tag}fsdp_plus_full_shard", f"compiled_{tag}fsdp2_loop_full_shard"
+        eager = [f"{tag}{ref}_full_shard" for ref in REFERENCES if f"{tag}{ref}_full_shard" in reps]
+        eager = [r for r in eager if "refused" not in reps[r][0]]
+        if ours not in reps or not eager or "refused" in reps[ours][0]:
+            continue
+        best = min(eager, key=lambda r: cases[r]["step_time_s"]["median"])
+        entry = {
+            "eager_reference": best,
+            "vs_eager": _spread([a["step_time_s"] / b["step_time_s"] for a, b in zip(reps[ours], reps[best],
+                                                                                    strict=True)]),
+            "first_step_s": {name: cases[name]["first_step_s"] for name in (ours, hand, best) if name in cases},
+        }  # fmt: skip
+        if hand in reps:
+            ratios = [a["step_time_s"] / b["step_time_s"] for a, b in zip(reps[ours], reps[hand], strict=True)]
+            entry["vs_hand_compiled"] = _spread(ratios)
+        out[label] = entry
+    return out
 
 
 MODEL_LABELS = {"": "", "gpt_": "GPT ", "plain_gpt_": "PLAIN GPT "}
@@ -205,7 +236,31 @@ def to_markdown(results: dict[str, Any], meta: dict[str, Any]) -> str:
                 f" {base['base_linear_all_gather_ratio']:.3f}x, everything gathered"
                 f" {base['total_all_gather_ratio']:.3f}x (LoRA, norms, embeddings and lm_head travel in bf16 in both).",
             ]
+    lines += _compile_table(results.get("compile") or {})
     return "\n".join(lines) + "\n"
+
+
+def _compile_table(compiled: dict[str, Any]) -> list[str]:
+    """Compiled fsdp_plus against the faster eager reference and the hand-compiled loop, and the first steps."""
+    if not compiled:
+        return []
+    lines = [
+        "",
+        f"Compile (FULL_SHARD): `compile=True` step time ÷ the faster eager reference (target ≤"
+        f" {COMPILE_TARGETS['eager']}) and ÷ the hand-compiled loop (target ≤ {COMPILE_TARGETS['hand_compiled']}),"
+        " within each repetition; first step (seconds, per repetition: compilation, lazy initialisation):",
+        "",
+        "| precision | ÷ faster eager (median, spread) | faster eager | ÷ hand-compiled (median, spread)"
+        " | first step s |",
+        "|---|---|---|---|---|",
+    ]
+    for label, entry in compiled.items():
+        eager, hand = entry["vs_eager"], entry.get("vs_hand_compiled")
+        first = "; ".join(f"{n}: {', '.join(f'{t:.1f}' for t in times)}" for n, times in entry["first_step_s"].items())
+        hand_text = f"{hand['median']:.3f} ({hand['min']:.3f}-{hand['max']:.3f})" if hand else "-"
+        lines.append(f"| {label} | {eager['median']:.3f} ({eager['min']:.3f}-{eager['max']:.3f}) |"
+                     f" {entry['eager_reference']} | {hand_text} | {first} |")  # fmt: skip
+    return lines
 
 
 def _profile_tables(ratios: dict[str, Any]) -> list[str]:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.cases import CASES, CLIP, SIZES, Setting
+from benchmarks.cases import CASES, CLIP, LLAMA_SIZES, SIZES, Setting
 from benchmarks.report import aggregate, write_reports
 from lightning_fsdp_plus._dist import all_gather_object, shutdown
 
@@ -42,6 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small model, 3 + 30 steps per case")
+    parser.add_argument("--size", choices=LLAMA_SIZES, default=None,
+                        help="the Llama's size (default: full; quick with --quick); 135m/400m: issue 32's")  # fmt: skip
     parser.add_argument("--devices", type=int, default=2, help="ranks (processes)")
     parser.add_argument("--accelerator", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--repeats", type=int, default=5, help="repetitions (default 5)")
@@ -74,7 +76,7 @@ def _setting(args: argparse.Namespace) -> Setting:
     warmup, steps = (3, 30) if args.quick else (3, 20)  # quick: ~80 ms steps, more of them against the noise
     steps = args.steps or steps
     return Setting(
-        size=SIZES["quick" if args.quick else "full"],
+        size=SIZES[args.size or ("quick" if args.quick else "full")],
         batch_size=4,
         warmup=warmup,
         steps=steps,

@@ -145,3 +145,47 @@ def test_the_option_and_a_compiled_module_together_are_refused():
     module = from_compiled(torch.compile(TinyLM(), backend="eager"))
     with pytest.raises(ValueError, match=r"compile=CompileSpec\(.*\) and a compiled module passed to trainer.fit"):
         from_compiled_module(module, option=CompileSpec())
+
+
+def _saved_float_weights(model, tokens) -> tuple[int, int]:
+    """``(bytes saved for backward, how many of them are float copies of an int8 base weight)`` in one step."""
+    from lightning_fsdp_plus.quantization import Int8Linear
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    weight_shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, Int8Linear)}
+    saved = {"bytes": 0, "weights": 0}
+
+    def pack(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            saved["bytes"] += tensor.numel() * tensor.element_size()
+            saved["weights"] += tuple(tensor.shape) in weight_shapes and tensor.is_floating_point()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=tokens, labels=tokens).loss.backward()
+    return saved["bytes"], saved["weights"]
+
+
+def test_compiled_int8_layers_recompute_their_float_weight_in_backward():
+    """Traced, the int8 training matmul's dequantized weight would be kept for backward by inductor's partitioner
+    (every int8 layer's weight in float until backward: the int8 saving gone). It is recomputed instead: a compiled
+    step saves no float weight and no more than the eager step."""
+    from lightning_fsdp_plus.pipeline import prepare_model, quantize_model
+    from tests.helpers.models import LORA, LORA_LLAMA
+
+    options = FSDPPlusOptions(lora=LORA, quantize_base="int8")
+    models = []
+    for _ in range(2):
+        model = tiny_llama(0, **LORA_LLAMA)
+        prepare_model(model, options)
+        quantize_model(model, options)
+        models.append(model.train())
+    eager, compiled = models
+    layers = [n for n, m in compiled.named_modules() if type(m).__name__ == "LlamaDecoderLayer"]
+    compile_units(compiled, layers, spec=CompileSpec())  # inductor: its partitioner decides what is saved
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    eager_bytes, eager_weights = _saved_float_weights(eager, tokens)
+    compiled_bytes, compiled_weights = _saved_float_weights(compiled, tokens)
+    assert eager_weights == 0 and compiled_weights == 0
+    assert compiled_bytes <= eager_bytes
+    assert compile_counters()["graph_breaks"] == 0

@@ -70,3 +70,30 @@ def test_the_profile_table_lists_the_ops_that_differ_most():
     assert [row[0] for row in rows] == ["gloo:all_gather", PYTHON, "aten::mm"]
     text = to_markdown(results, META)
     assert "| gloo:all_gather | 80.0 | 40.0 | +40.0 |" in text
+
+
+def test_compiled_fsdp_plus_is_divided_by_the_faster_eager_reference_and_the_hand_compiled_loop():
+    runs = _runs({
+        "fsdp2_loop_full_shard": [1.00, 1.00],
+        "lightning_model_parallel_full_shard": [1.10, 1.10],
+        "compiled_fsdp_plus_full_shard": [0.80, 0.90],
+        "compiled_fsdp2_loop_full_shard": [0.80, 0.80],
+        "bf16_fsdp2_loop_full_shard": [0.50, 0.50],
+        "compiled_bf16_fsdp_plus_full_shard": [0.45, 0.45],  # no hand-compiled bf16 loop in this run
+        "compiled_fsdp_plus_full_shard_typo": [0.1, 0.1],  # not a compile comparison
+    })  # fmt: skip
+    for name, reps in runs.items():
+        for i, rep in enumerate(reps):
+            for rank in rep["ranks"]:
+                rank["first_step_s"] = 10.0 + i if name.startswith("compiled") else 0.5
+    compiled = aggregate(runs)["compile"]
+    assert set(compiled) == {"fp32", "bf16-mixed"}
+    fp32 = compiled["fp32"]
+    assert fp32["eager_reference"] == "fsdp2_loop_full_shard"
+    assert fp32["vs_eager"]["median"] == pytest.approx(0.85) and fp32["vs_eager"]["max"] == pytest.approx(0.90)
+    assert fp32["vs_hand_compiled"]["median"] == pytest.approx(1.0625)
+    assert fp32["first_step_s"]["compiled_fsdp_plus_full_shard"] == [10.0, 11.0]
+    assert "vs_hand_compiled" not in compiled["bf16-mixed"]
+    markdown = to_markdown(aggregate(runs), META)
+    assert "| fp32 | 0.850 (0.800-0.900) | fsdp2_loop_full_shard | 1.062 (1.000-1.125) |" in markdown
+    assert "| bf16-mixed | 0.900 (0.900-0.900) | bf16_fsdp2_loop_full_shard | - |" in markdown

@@ -154,8 +154,13 @@ def compile_counters() -> dict[str, int]:
 
 
 def graph_break_reasons() -> dict[str, int]:
-    """Why dynamo broke graphs in this process, with counts (empty when it did not)."""
-    return {reason: int(n) for reason, n in dynamo_counters()["graph_break"].items()}
+    """Why dynamo broke graphs in this process (the first line of each reason), with counts (empty when it did
+    not)."""
+    reasons: dict[str, int] = {}
+    for reason, n in dynamo_counters()["graph_break"].items():
+        first = reason.strip().splitlines()[0] if reason.strip() else reason
+        reasons[first] = reasons.get(first, 0) + int(n)
+    return reasons
 
 
 def reset_compile_counters() -> None:

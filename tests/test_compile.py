@@ -189,3 +189,32 @@ def test_compiled_int8_layers_recompute_their_float_weight_in_backward():
     assert eager_weights == 0 and compiled_weights == 0
     assert compiled_bytes <= eager_bytes
     assert compile_counters()["graph_breaks"] == 0
+
+
+def test_a_compiled_model_generates_what_the_eager_model_generates():
+    """Greedy decoding (a new length per token) with compiled units: eagerly under ``eager_for_generation`` (as the
+    app generates), and compiled too (dynamo makes the length symbolic after specialising the first) — the same
+    tokens."""
+    from lightning_fsdp_plus.app.generate import greedy_generate
+
+    class Tokenizer:
+        eos_token_id = -1
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [int(t) for t in text.split()]}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    eager, compiled = tiny_llama(layers=2).eval(), tiny_llama(layers=2).eval()
+    compile_units(compiled, ["model.layers.0", "model.layers.1"], spec=CompileSpec(kwargs={"backend": "aot_eager"}))
+    prompts = ["1 2 3", "7 8"]
+    generate = lambda model: greedy_generate(lambda ids: model(input_ids=ids).logits, Tokenizer(), prompts,  # noqa: E731
+                                             max_new_tokens=6)  # fmt: skip
+    expected = generate(eager)
+    with eager_for_generation():
+        assert generate(compiled) == expected
+    assert compile_counters()["graphs"] == 0
+    assert generate(compiled) == expected
+    lengths = 7  # the prompts grow through lengths 2-8
+    assert 1 <= compile_counters()["graphs"] < lengths  # static graphs first, then a symbolic length: not one each

@@ -54,7 +54,7 @@ from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_co
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
-from lightning_fsdp_plus.compile import compile_counters, eager_for_generation
+from lightning_fsdp_plus.compile import compile_counters, eager_for_generation, graph_break_reasons
 from lightning_fsdp_plus.failures import report_failure
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
@@ -209,7 +209,8 @@ def _compile_report(strategy: Any) -> dict[str, Any] | None:
     plan = strategy.sharding_plan
     if plan.compile is None:
         return None
-    return {"spec": plan.compile.describe(), "units": len(plan.compiled), **compile_counters()}
+    return {"spec": plan.compile.describe(), "units": len(plan.compiled), **compile_counters(),
+            "graph_break_reasons": graph_break_reasons()}  # fmt: skip
 
 
 def write_generations(trainer: Trainer, datamodule: Any, path: Path, settings: DictConfig) -> None:

@@ -251,6 +251,21 @@ def trainer_from_pretrained(out: Path, checkpoints: Path) -> dict[str, Any]:
     return {"losses": losses}
 
 
+@case("trainer__from_pretrained_lora_int8_compiled")
+def trainer_from_pretrained_compiled(out: Path, checkpoints: Path) -> dict[str, Any]:
+    """Streaming loading under ``compile``: units are compiled before the weights are read (compilation is lazy,
+    at the first forward); the compiled run trains as the eager one (aot_eager: bit for bit)."""
+    path = str(checkpoints / "llama_bf16")
+    strategy = {"lora": LORA, "quantize_base": "int8"}
+    seed_everything(0)
+    expected = _fit(CausalLMModule.from_pretrained(path, lr=1e-2), out, **strategy)
+    torch._dynamo.reset()
+    seed_everything(0)
+    losses = _fit(CausalLMModule.from_pretrained(path, lr=1e-2), out, **strategy, compile={"backend": "aot_eager"})
+    assert losses == expected and len(losses) == 3, (losses, expected)
+    return {"losses": losses}
+
+
 @case("trainer__configure_model")
 def trainer_configure_model(out: Path, checkpoints: Path) -> dict[str, Any]:
     path = str(checkpoints / "llama_bf16")

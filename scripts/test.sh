@@ -1,7 +1,14 @@
 #!/usr/bin/env bash
 # Set up (first run) and run the whole test suite: lint, then pytest (multi-process tests use gloo on CPU).
+# The cluster tests (tests/slurm/) need a SLURM controller: as root this starts a one-node one
+# (scripts/slurm_local.sh) and stops it afterwards; otherwise start it yourself with sudo, or set
+# FSDP_PLUS_SKIP_SLURM=1 to skip those tests explicitly.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 .venv/bin/ruff check .
-exec .venv/bin/python -m pytest "$@"
+if [ "${FSDP_PLUS_SKIP_SLURM:-0}" != 1 ] && [ "$(id -u)" = 0 ] && ! bash scripts/slurm_local.sh status >/dev/null 2>&1; then
+  bash scripts/slurm_local.sh start
+  trap 'bash scripts/slurm_local.sh stop >/dev/null' EXIT
+fi
+.venv/bin/python -m pytest "$@"

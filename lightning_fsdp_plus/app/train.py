@@ -54,6 +54,13 @@ from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_co
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
+from lightning_fsdp_plus.app.requeue import (
+    check_requeued_attempt,
+    pending_hpc_checkpoint,
+    read_base_metrics,
+    retire_hpc_checkpoints,
+    write_base_metrics,
+)
 from lightning_fsdp_plus.compile import compile_counters, eager_for_generation, graph_break_reasons
 from lightning_fsdp_plus.failures import report_failure
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
@@ -122,6 +129,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit and validate one run on this process's rank; rank 0 writes and returns ``metrics.json``'s content."""
     seed_everything(cfg.seed, workers=True)
     output_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        check_requeued_attempt(output_dir, ckpt_path=cfg.ckpt_path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     datamodule = instantiate(cfg.data)
     module = build_module(cfg.model, tokenizer=getattr(datamodule, "tokenizer", None))
     run_metrics = RunMetrics(warmup_steps=cfg.warmup_steps_for_timing)
@@ -142,11 +153,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if not cfg.train:
         return evaluate(cfg, trainer=trainer, module=module, datamodule=datamodule, output_dir=output_dir)
-    base = trainer.validate(module, datamodule=datamodule, verbose=False)[0] if cfg.validate_before else {}
+    resuming = pending_hpc_checkpoint(output_dir) if cfg.ckpt_path is None else None  # a requeued SLURM job
+    base = validate_base(trainer, module, datamodule, output_dir, resuming=resuming) if cfg.validate_before else {}
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     fit_seconds = time.perf_counter() - started
     train_loss = trainer.callback_metrics.get("train_loss")
+    if trainer.is_global_zero and pending_hpc_checkpoint(output_dir) is not None:
+        retire_hpc_checkpoints(output_dir)  # else validate() below would load one over the trained weights
+    trainer.strategy.barrier()
     final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
     adapter_dir = output_dir / "adapter"
     if cfg.export_adapter and find_peft_model(module) is not None:
@@ -202,6 +217,20 @@ def evaluate(cfg: DictConfig, *, trainer: Trainer, module: Any, datamodule: Any,
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
         rank_zero_info(f"val perplexity {metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
     return metrics
+
+
+def validate_base(trainer: Trainer, module: Any, datamodule: Any, output_dir: Path, *, resuming: Path | None) -> dict:
+    """The validation before training: measured (and kept in the run directory), or — in a requeued SLURM job, where
+    Lightning would validate its HPC checkpoint instead of the base — the first attempt's figures."""
+    if resuming is not None:
+        kept = read_base_metrics(output_dir)
+        how = "as the first attempt measured it" if kept else "not measured (the first attempt stopped before it)"
+        rank_zero_info(f"fsdp_plus: requeued SLURM job: resuming from {resuming}; the base's validation: {how}")
+        return kept or {}
+    base = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    if trainer.is_global_zero:
+        write_base_metrics(output_dir, {k: v for k, v in base.items() if k in ("val_loss", "val_perplexity")})
+    return base
 
 
 def _compile_report(strategy: Any) -> dict[str, Any] | None:

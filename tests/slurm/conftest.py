@@ -1,0 +1,22 @@
+"""The cluster tests need a real SLURM controller (``scripts/slurm_local.sh start``; ``scripts/test.sh`` starts one
+when it runs as root). Without one they fail with the command to run; ``FSDP_PLUS_SKIP_SLURM=1`` skips them
+explicitly (locally; never set in CI)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def slurm() -> None:
+    """A controller that answers, with its node idle or in use."""
+    if os.environ.get("FSDP_PLUS_SKIP_SLURM") == "1":
+        pytest.skip("FSDP_PLUS_SKIP_SLURM=1: the SLURM tests are skipped on request")
+    up = shutil.which("sinfo") is not None and subprocess.run(
+        ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True
+    ).stdout.strip() in ("idle", "mix", "alloc")
+    assert up, "no SLURM controller answers: start one with `sudo bash scripts/slurm_local.sh start`"

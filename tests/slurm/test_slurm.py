@@ -1,0 +1,130 @@
+"""``examples/slurm/finetune.sbatch`` on a real one-node SLURM, 2 CPU tasks (issue 34): it runs to the end, a USR1
+requeue resumes exactly, ``scancel`` stops every task with a resumable checkpoint, and a requeued attempt that lost
+its run directory says how to keep it instead of starting over."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers.launch import REPO, subprocess_env
+
+SBATCH = REPO / "examples" / "slurm" / "finetune.sbatch"
+OVERRIDES = ("trainer.max_steps=100", "checkpoint.every_n_train_steps=10", "generate.num_prompts=0",
+             "trainer.enable_progress_bar=false")  # fmt: skip
+"""100 steps (~15 s on 2 CPU tasks), a checkpoint every 10: a signal lands between the first and the end."""
+
+pytestmark = pytest.mark.usefixtures("slurm")
+
+
+def submit(tmp: Path, name: str, *args: str, flags: tuple[str, ...] = (), script: Path = SBATCH) -> str:
+    """``sbatch`` the script from the repository (its run directory under ``tmp``); the job id."""
+    command = ["sbatch", "--parsable", f"--output={tmp / name}.log", f"--job-name={name}", *flags, str(script), *args]
+    return subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          check=True).stdout.strip()  # fmt: skip
+
+
+def state(job: str) -> str:
+    """The job's state while SLURM lists it (PENDING, RUNNING, ...), "" once it has left the queue."""
+    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+
+
+def wait_gone(job: str, timeout: float = 300) -> float:
+    """Wait until the job has left the queue (requeued attempts released at once); the seconds it took."""
+    start = time.monotonic()
+    while state(job):
+        if state(job) == "PENDING":  # a requeued job waits ~2 min (BeginTime): release it
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        assert time.monotonic() - start < timeout, f"job {job} still {state(job)} after {timeout} s"
+        time.sleep(0.5)
+    return time.monotonic() - start
+
+
+def wait_for(path: Path, job: str, timeout: float = 180) -> None:
+    start = time.monotonic()
+    while not path.exists():
+        assert state(job), f"job {job} ended before {path} appeared"
+        assert time.monotonic() - start < timeout, f"{path} did not appear in {timeout} s"
+        time.sleep(0.1)
+
+
+def run_dir(tmp: Path, name: str) -> str:
+    return f"hydra.run.dir={tmp / name}"
+
+
+def adapter(path: Path) -> dict:
+    return load_file(path / "adapter" / "adapter_model.safetensors")
+
+
+def test_finetune_sbatch_runs_and_a_usr1_requeue_resumes_exactly(tmp_path):
+    """a) the sbatch example at world size 2 writes metrics.json; b) the same job sent USR1 after its first checkpoint:
+    every rank stops after one step, the HPC checkpoint is written, the job requeued, resumed from it (the log says
+    so), and its LoRA weights equal the uninterrupted run's bit for bit."""
+    whole = submit(tmp_path, "whole", *OVERRIDES, run_dir(tmp_path, "whole"))
+    wait_gone(whole)
+    metrics = json.loads((tmp_path / "whole" / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["val_perplexity"] < metrics["base_val_perplexity"]
+
+    job = submit(tmp_path, "requeued", *OVERRIDES, run_dir(tmp_path, "requeued"))
+    wait_for(tmp_path / "requeued" / "checkpoints" / "last.ckpt", job)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_gone(job)
+    log = (tmp_path / "requeued.log").read_text()
+    assert "SIGUSR1 received; every rank stopped after step" in log
+    assert "attempt 2 of job" in log
+    assert f"requeued SLURM job: resuming from {tmp_path / 'requeued' / 'hpc_ckpt_1.ckpt'}" in log
+    assert f"Restored all states from the checkpoint at {tmp_path / 'requeued' / 'hpc_ckpt_1.ckpt'}" in log
+    resumed = json.loads((tmp_path / "requeued" / "metrics.json").read_text())
+    assert resumed["base_val_perplexity"] == pytest.approx(metrics["base_val_perplexity"])  # the first attempt's
+    assert resumed["val_perplexity"] == metrics["val_perplexity"]
+    expected, got = adapter(tmp_path / "whole"), adapter(tmp_path / "requeued")
+    assert all((expected[k] == got[k]).all() for k in expected)
+    assert (tmp_path / "requeued" / "hpc_consumed" / "hpc_ckpt_1.ckpt").exists()  # kept, no longer reloaded
+
+
+def test_scancel_stops_every_task_within_60_s_with_a_resumable_last_checkpoint(tmp_path):
+    """c) ``scancel`` (SIGTERM, no requeue): every task gone within 60 s, ``last.ckpt`` written at the step they
+    stopped after; ``ckpt_path=last`` in the same run directory resumes it and finishes."""
+    job = submit(tmp_path, "cancelled", *OVERRIDES, run_dir(tmp_path, "cancelled"), flags=("--no-requeue",))
+    wait_for(tmp_path / "cancelled" / "checkpoints" / "last.ckpt", job)
+    subprocess.run(["scancel", job], check=True)
+    assert wait_gone(job) < 60
+    log = (tmp_path / "cancelled.log").read_text()
+    assert "SIGTERM received; every rank stopped after step" in log
+    step = int(log.split("SIGTERM received; every rank stopped after step")[1].split(";")[0])
+    assert 10 <= step < 100
+    resumed = submit(tmp_path, "resumed", *OVERRIDES, run_dir(tmp_path, "cancelled"), "ckpt_path=last")
+    wait_gone(resumed)
+    assert f"Restored all states from the checkpoint at {tmp_path / 'cancelled' / 'checkpoints' / 'last.ckpt'}" in (
+        (tmp_path / "resumed.log").read_text()
+    )
+    assert json.loads((tmp_path / "cancelled" / "metrics.json").read_text())["world_size"] == 2
+
+
+def test_a_requeued_attempt_in_a_new_run_directory_fails_with_how_to_keep_it(tmp_path):
+    """f) ``srun fsdp-plus-train`` without a fixed run directory: Hydra gives the requeued attempt a new timestamped
+    one, which holds nothing to resume. It stops with the fix instead of silently training from the start."""
+    script = tmp_path / "plain.sbatch"
+    script.write_text(
+        "#!/usr/bin/env bash\n#SBATCH --ntasks-per-node=2\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+        f"cd {REPO}\nsrun scripts/run fsdp-plus-train experiment=medical_lora {' '.join(OVERRIDES)}"
+        f" hydra.run.dir={tmp_path}/runs/\\${{now:%H-%M-%S-%f}}\n"
+    )
+    job = submit(tmp_path, "plain", script=script)
+    while not list((tmp_path / "runs").glob("*/checkpoints/last.ckpt")):
+        assert state(job), "the job ended before its first checkpoint"
+        time.sleep(0.1)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    wait_gone(job)
+    log = (tmp_path / "plain.log").read_text()
+    assert "is attempt 2 of SLURM job" in log and "its run directory" in log
+    assert "hydra.run.dir=outputs/slurm/${SLURM_JOB_ID}" in log
+    runs = list((tmp_path / "runs").iterdir())  # each attempt's, one per rank here (the timestamp has microseconds)
+    first = [d for d in runs if (d / "checkpoints").is_dir()]
+    second = [d for d in runs if d not in first]
+    assert first and second and not any((d / "metrics.json").exists() for d in second)  # it trained nothing

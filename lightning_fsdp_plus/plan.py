@@ -97,6 +97,16 @@ def resolve_mesh_layout(
     return MeshLayout(replicate=1, shard=world_size)
 
 
+def node_boundaries(layout: MeshLayout, *, ranks_per_node: int) -> str:
+    """Where the mesh lies across nodes, for the plan's printout: ``2 node(s) x 1 rank(s): each shard group (1 rank)
+    inside one node, replicas across nodes`` (or shard groups that span nodes: their all-gathers cross the link)."""
+    nodes = max(1, layout.world_size // max(ranks_per_node, 1))
+    head = f"{nodes} node(s) x {ranks_per_node} rank(s)"
+    if layout.shard <= ranks_per_node and ranks_per_node % layout.shard == 0:
+        return f"{head}: each shard group ({layout.shard} rank(s)) inside one node, replicas across nodes"
+    return f"{head}: shard groups of {layout.shard} ranks span nodes (their all-gathers cross the inter-node link)"
+
+
 def check_hybrid_shard_size(*, hybrid_shard_size: int, world_size: int) -> None:
     """Raise a ValueError naming the key, the value and the valid choices if it does not divide the world."""
     if isinstance(hybrid_shard_size, bool) or not isinstance(hybrid_shard_size, int) or hybrid_shard_size < 1:

@@ -86,8 +86,10 @@ class PreemptionSignals(_SignalConnector):
         self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work, flag) of an agreement started, not read
 
     def signals(self) -> tuple[int, ...]:
-        """The signals handled: SIGTERM, SIGINT and the requeue signal."""
-        return (int(signal.SIGTERM), int(signal.SIGINT), requeue_signal(self.trainer))
+        """The signals handled: SIGTERM, SIGINT, SIGUSR2 (submitit's preemption and timeout signal: it requeues the
+        job itself, so the ranks save the "last" checkpoint and stop, as on SIGTERM) and the requeue signal."""
+        stops = (int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGUSR2))
+        return tuple(dict.fromkeys((*stops, requeue_signal(self.trainer))))
 
     def register_signal_handlers(self) -> None:
         """Install the flag-only handler (once per stage: Lightning calls this again after the strategy's setup)."""

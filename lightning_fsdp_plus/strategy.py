@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, ParallelStrategy
@@ -58,7 +59,7 @@ from lightning_fsdp_plus.pipeline import (
     prepare_model,
     sync_batch_norm,
 )
-from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan
+from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan, node_boundaries
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, check_precision
 from lightning_fsdp_plus.preemption import (
     PreemptionSignals,
@@ -68,6 +69,7 @@ from lightning_fsdp_plus.preemption import (
     resolve_on_preempt,
 )
 from lightning_fsdp_plus.sharding import build_mesh, is_sharded
+from lightning_fsdp_plus.slurm import check_slurm_allocation
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -248,6 +250,8 @@ class FSDPPlusStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # Called at the end of Trainer.__init__: devices, nodes and precision are known, no process group exists.
+        if isinstance(self.cluster_environment, SLURMEnvironment):  # before anything reads this rank's device
+            check_slurm_allocation(devices=self.num_processes, num_nodes=self.num_nodes)
         self._mesh_layout = None
         _ = self.mesh_layout
         device_type = self._device_type
@@ -428,6 +432,10 @@ class FSDPPlusStrategy(ParallelStrategy):
             )
             if self._auto_plan is not None:
                 self._sharding_plan = dataclasses.replace(self._sharding_plan, auto_plan=self._auto_plan)
+            if self.num_nodes > 1:
+                rank_zero_info(
+                    f"mesh across nodes: {node_boundaries(self.mesh_layout, ranks_per_node=self.num_processes)}"
+                )
         offloaded = self.options.cpu_offload and self.root_device.type != "cpu"
         if not offloaded:
             self.model_to_device()

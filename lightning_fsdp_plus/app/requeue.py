@@ -53,6 +53,16 @@ def check_requeued_attempt(run_dir: Path, *, ckpt_path: Any, environ: Mapping[st
     )
 
 
+def requeued_last_checkpoint(run_dir: Path, *, ckpt_path: Any, environ: Mapping[str, str] = os.environ) -> Path | None:
+    """In a requeued attempt without an HPC checkpoint — stopped by SIGTERM (``scancel``, or SLURM ending the job
+    when submitit requeues it on its own signal), which saves ``checkpoints/last.ckpt`` — the checkpoint to resume
+    from; None otherwise (a first attempt, ``ckpt_path`` given, or Lightning's HPC resume applies)."""
+    if int(environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0 or ckpt_path is not None:
+        return None
+    last = run_dir / "checkpoints" / "last.ckpt"
+    return last if pending_hpc_checkpoint(run_dir) is None and last.exists() else None
+
+
 def read_base_metrics(run_dir: Path) -> dict[str, Any] | None:
     """The first attempt's validation before training, or None when it did not get that far."""
     path = run_dir / BASE_METRICS_FILE

@@ -58,6 +58,7 @@ from lightning_fsdp_plus.app.requeue import (
     check_requeued_attempt,
     pending_hpc_checkpoint,
     read_base_metrics,
+    requeued_last_checkpoint,
     retire_hpc_checkpoints,
     write_base_metrics,
 )
@@ -153,10 +154,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
     if not cfg.train:
         return evaluate(cfg, trainer=trainer, module=module, datamodule=datamodule, output_dir=output_dir)
-    resuming = pending_hpc_checkpoint(output_dir) if cfg.ckpt_path is None else None  # a requeued SLURM job
+    # a requeued SLURM job resumes from Lightning's HPC checkpoint, else from the "last" its earlier attempt saved
+    ckpt_path, last = cfg.ckpt_path, requeued_last_checkpoint(output_dir, ckpt_path=cfg.ckpt_path)
+    if last is not None:
+        ckpt_path = str(last)
+    resuming = last or (pending_hpc_checkpoint(output_dir) if ckpt_path is None else None)
     base = validate_base(trainer, module, datamodule, output_dir, resuming=resuming) if cfg.validate_before else {}
     started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     fit_seconds = time.perf_counter() - started
     train_loss = trainer.callback_metrics.get("train_loss")
     if trainer.is_global_zero and pending_hpc_checkpoint(output_dir) is not None:

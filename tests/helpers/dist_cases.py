@@ -50,6 +50,8 @@ from tests.helpers.models import (
 from tests.helpers.threads import gloo_threads
 
 STEPS = 6
+DEVICES = int(os.environ.get("LOCAL_WORLD_SIZE", 2))
+"""Ranks on this node: 2, or 1 when two torchrun agents play two nodes (``tests/test_multinode.py``)."""
 ARCH_LORA_STEPS = 8
 """Steps of the Falcon and BERT LoRA + int8 cases (their point is equality with one process, step by step)."""
 
@@ -61,6 +63,8 @@ CASES: dict[str, dict] = {
     "shard_grad_op_sgd": {"strategy": {"sharding_strategy": "shard_grad_op"}},
     "no_shard_sgd": {"strategy": {"sharding_strategy": "NO_SHARD"}},
     "hybrid_shard_sgd": {"strategy": {"sharding_strategy": "HYBRID_SHARD", "hybrid_shard_size": 1}},
+    # HYBRID_SHARD's default shard group: the ranks of one node (tests/test_multinode.py runs it on two "nodes")
+    "hybrid_shard_per_node_sgd": {"strategy": {"sharding_strategy": "HYBRID_SHARD"}},
     "full_shard_adamw": {"strategy": {}, "module": {"optimizer": "adamw", "lr": 3e-3}},
     "ac_prefetch_sgd": {
         "strategy": {
@@ -368,7 +372,8 @@ def run_case(name: str, out: Path, start_method: str = "popen") -> None:
     trainer = Trainer(
         strategy=FSDPPlusStrategy(**strategy_kwargs, start_method=start_method),
         accelerator="cpu",
-        devices=2,
+        devices=DEVICES,  # 2 ranks: on one node, or (torchrun --nnodes 2) one per node
+        num_nodes=2 // DEVICES,
         max_steps=spec.get("steps", LORA_STEPS) if "lora" in spec else STEPS,
         limit_val_batches=0,
         logger=False,

@@ -128,3 +128,39 @@ def test_a_requeued_attempt_in_a_new_run_directory_fails_with_how_to_keep_it(tmp
     first = [d for d in runs if (d / "checkpoints").is_dir()]
     second = [d for d in runs if d not in first]
     assert first and second and not any((d / "metrics.json").exists() for d in second)  # it trained nothing
+
+
+def test_a_time_limit_ends_in_a_requeue_not_a_kill(tmp_path):
+    """d) ``--time=2 --signal=USR1@60`` (the shortest limit; SLURM sends the signal up to 60 s early: 38 s after the
+    start here): the job is requeued with its HPC checkpoint and the next attempt resumes from it; then ``scancel``
+    ends it."""
+    log = tmp_path / "limited.log"
+    job = submit(tmp_path, "limited", "trainer.max_steps=100000", *OVERRIDES[1:], run_dir(tmp_path, "limited"),
+                 flags=("--time=2", "--signal=USR1@60"))  # fmt: skip
+    start = time.monotonic()
+    while "Restored all states from the checkpoint" not in (log.read_text() if log.exists() else ""):
+        assert time.monotonic() - start < 240, "no requeued attempt resumed within 4 minutes"
+        if state(job) == "PENDING":
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], check=True)
+    wait_gone(job)
+    text = log.read_text()
+    assert "SIGUSR1 received; every rank stopped after step" in text and "attempt 2 of job" in text
+    assert f"resuming from {tmp_path / 'limited' / 'hpc_ckpt_1.ckpt'}" in text
+    assert "DUE TO TIME LIMIT" not in text
+
+
+def test_the_submitit_sweep_runs_every_job_on_slurm_and_summarises(tmp_path):
+    """e) ``examples/slurm/sweep.sh``: Hydra's submitit launcher submits both jobs (2 tasks each, world size 2); each
+    writes metrics.json and the sweep summary lists both."""
+    sweep = tmp_path / "sweep"
+    command = ["bash", "examples/slurm/sweep.sh", "trainer.max_steps=6", "generate.num_prompts=0",
+               "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    jobs = sorted(p for p in sweep.iterdir() if (p / "metrics.json").exists())
+    assert [p.name.split("strategy=")[1] for p in jobs] == ["lora_int8_replicated", "lora_int8_sharded"]
+    assert all(json.loads((p / "metrics.json").read_text())["world_size"] == 2 for p in jobs)
+    summary = (sweep / "sweep_summary.csv").read_text()
+    assert "lora_int8_replicated" in summary and "lora_int8_sharded" in summary

@@ -242,13 +242,19 @@ class BaseLinears(Callback):
         return "base_linear" if id(module) in self.ids else "other"
 
 
-def fsdp_plus(setting: Setting, sharding_strategy: str, **strategy_kwargs: Any) -> dict[str, Any]:
-    """``Trainer(strategy=FSDPPlusStrategy(...))``, fp32 unless the kwargs say otherwise."""
+def fsdp_plus(
+    setting: Setting, sharding_strategy: str, *, callbacks: tuple = (), **strategy_kwargs: Any
+) -> dict[str, Any]:
+    """``Trainer(strategy=FSDPPlusStrategy(...))``, fp32 unless the kwargs say otherwise. With ``compile``, each case
+    compiles afresh (dynamo's in-process cache is reset; inductor's on-disk cache stays warm)."""
     precision = strategy_kwargs.pop("precision", "32-true")
     if sharding_strategy == "HYBRID_SHARD":
         strategy_kwargs["hybrid_shard_size"] = setting.hybrid_shard_size
+    if strategy_kwargs.get("compile"):
+        torch._dynamo.reset()
     strategy = FSDPPlusStrategy(sharding_strategy=sharding_strategy, **strategy_kwargs)
-    return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR), precision=precision)
+    module = CausalLMModule(_model(setting), lr=LR)
+    return _fit(setting, strategy, module, precision=precision, callbacks=callbacks)
 
 
 class CompileRootParts(Callback):
@@ -266,11 +272,8 @@ def fsdp_plus_compiled(
     setting: Setting, sharding_strategy: str, *, root: bool = False, **kwargs: Any
 ) -> dict[str, Any]:
     """fsdp_plus with ``compile=True`` (each decoder layer, inductor); ``root``: the root's norm and loss as well."""
-    torch._dynamo.reset()  # each case compiles afresh (in process; inductor's on-disk cache stays warm)
     callbacks = (CompileRootParts(),) if root else ()
-    precision = kwargs.pop("precision", "32-true")
-    strategy = FSDPPlusStrategy(sharding_strategy=sharding_strategy, compile=True, **kwargs)
-    return _fit(setting, strategy, CausalLMModule(_model(setting), lr=LR), precision=precision, callbacks=callbacks)
+    return fsdp_plus(setting, sharding_strategy, compile=True, callbacks=callbacks, **kwargs)
 
 
 def fsdp2_loop(
@@ -412,8 +415,6 @@ def lora(
         kwargs["auto_wrap_policy"] = _is_lora_layer
     if base in ("int8", "nf4"):
         kwargs["quantize_base"] = base
-    if compile:
-        torch._dynamo.reset()
     return fsdp_plus(setting, "FULL_SHARD", **kwargs)
 
 

@@ -74,9 +74,8 @@ def compile_spec_from(value: Any, *, key: str = "compile") -> CompileSpec | None
                 f"{key} has {unknown[0]!r}={value[unknown[0]]!r}, which is not a torch.compile argument it takes;"
                 f" valid keys: {', '.join(COMPILE_ARGUMENTS)}"
             )
-        for flag in ("fullgraph",):
-            if flag in value and not isinstance(value[flag], bool):
-                raise ValueError(f"{key}.{flag}={value[flag]!r} must be true or false")
+        if "fullgraph" in value and not isinstance(value["fullgraph"], bool):
+            raise ValueError(f"{key}.fullgraph={value['fullgraph']!r} must be true or false")
         if "dynamic" in value and value["dynamic"] is not None and not isinstance(value["dynamic"], bool):
             raise ValueError(f"{key}.dynamic={value['dynamic']!r} must be true, false or null (torch decides)")
         if "mode" in value and value["mode"] is not None and "options" in value and value["options"] is not None:

@@ -5,6 +5,7 @@ Memory figures come from :class:`~lightning_fsdp_plus.memory.MemoryMonitor`.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -46,7 +47,7 @@ class RunMetrics(Callback):
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Stop the clock and count this step's tokens."""
         elapsed = time.perf_counter() - self._start
-        if self.first_step_s != self.first_step_s:  # the first step this process ran (compiles, allocates)
+        if math.isnan(self.first_step_s):  # the first step this process ran (compiles, allocates)
             self.first_step_s = elapsed
         if trainer.global_step > self.warmup_steps:
             self.step_times.append(elapsed)

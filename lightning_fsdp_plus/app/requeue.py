@@ -37,10 +37,15 @@ def pending_hpc_checkpoint(run_dir: Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def _restarts(environ: Mapping[str, str]) -> int:
+    """How often SLURM requeued this job (``SLURM_RESTART_COUNT``; 0 on the first attempt)."""
+    return int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+
+
 def check_requeued_attempt(run_dir: Path, *, ckpt_path: Any, environ: Mapping[str, str] = os.environ) -> None:
     """A requeued attempt (``SLURM_RESTART_COUNT`` > 0) whose run directory holds nothing of an earlier attempt
     would silently train from the start: Hydra gave it a new directory. Raise ``ValueError`` with the fix."""
-    restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    restarts = _restarts(environ)
     if restarts == 0 or ckpt_path is not None or not SLURMEnvironment.detect():
         return
     if pending_hpc_checkpoint(run_dir) is not None or (run_dir / "checkpoints").is_dir():
@@ -57,7 +62,7 @@ def requeued_last_checkpoint(run_dir: Path, *, ckpt_path: Any, environ: Mapping[
     """In a requeued attempt without an HPC checkpoint — stopped by SIGTERM (``scancel``, or SLURM ending the job
     when submitit requeues it on its own signal), which saves ``checkpoints/last.ckpt`` — the checkpoint to resume
     from; None otherwise (a first attempt, ``ckpt_path`` given, or Lightning's HPC resume applies)."""
-    if int(environ.get("SLURM_RESTART_COUNT", "0") or 0) == 0 or ckpt_path is not None:
+    if _restarts(environ) == 0 or ckpt_path is not None:
         return None
     last = run_dir / "checkpoints" / "last.ckpt"
     return last if pending_hpc_checkpoint(run_dir) is None and last.exists() else None

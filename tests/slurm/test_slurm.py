@@ -29,9 +29,17 @@ def submit(tmp: Path, name: str, *args: str, flags: tuple[str, ...] = (), script
                           check=True).stdout.strip()  # fmt: skip
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+"""Job states after which nothing runs again. A requeue passes through REQUEUED and PENDING, and squeue may not list
+the job for a moment in between: the controller's record (kept MinJobAge=300 s) is read instead."""
+
+
 def state(job: str) -> str:
-    """The job's state while SLURM lists it (PENDING, RUNNING, ...), "" once it has left the queue."""
-    return subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+    """The job's state in the controller (PENDING, RUNNING, REQUEUED, ..., or one of :data:`ENDED`); "" once it has
+    ended (the tests' reading: nothing will run again)."""
+    record = subprocess.run(["scontrol", "-o", "show", "job", job], capture_output=True, text=True).stdout
+    found = record.split("JobState=")[1].split()[0] if "JobState=" in record else ""
+    return "" if found in ENDED else found
 
 
 def wait_gone(job: str, timeout: float = 300) -> float:

@@ -31,7 +31,7 @@ import contextlib
 import json
 import logging
 import os
-import subprocess
+import signal
 import sys
 import time
 from pathlib import Path
@@ -54,6 +54,7 @@ from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_co
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
+from lightning_fsdp_plus.app.relay import JobStopped, run_relaying_signals
 from lightning_fsdp_plus.app.requeue import (
     check_requeued_attempt,
     pending_hpc_checkpoint,
@@ -271,7 +272,9 @@ def run_job_in_subprocess() -> dict[str, Any]:
     """Run this multirun job as a fresh single run, so that it launches exactly its own ranks.
 
     Lightning's launcher re-executes ``sys.argv`` for the other ranks, which under ``-m`` is the whole sweep
-    (Hydra #2070), and a process that already hosted a job keeps its process group and rank variables.
+    (Hydra #2070), and a process that already hosted a job keeps its process group and rank variables. A stop
+    signal reaches the child first (:mod:`lightning_fsdp_plus.app.relay`): it saves before this process's own
+    handler (submitit's requeue) runs.
     """
     hydra_cfg = HydraConfig.get()
     output_dir = hydra_cfg.runtime.output_dir
@@ -284,9 +287,13 @@ def run_job_in_subprocess() -> dict[str, Any]:
         "hydra.output_subdir=null",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    returncode = subprocess.run(command, cwd=hydra_cfg.runtime.cwd, env=env, check=False).returncode
-    if returncode != 0:
-        raise RuntimeError(f"sweep job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname}) exited with {returncode}")
+    ended = run_relaying_signals(command, cwd=hydra_cfg.runtime.cwd, env=env)
+    if ended.returncode != 0:
+        job = f"sweep job {hydra_cfg.job.num} ({hydra_cfg.job.override_dirname})"
+        if ended.signum:  # it saved and stopped (or, stopped already, was ended by the requeue that followed)
+            raise JobStopped(f"{job} stopped on {signal.Signals(ended.signum).name} (exit status {ended.returncode});"
+                             f" its checkpoints are in {output_dir}")  # fmt: skip
+        raise RuntimeError(f"{job} exited with {ended.returncode}")
     return json.loads((Path(output_dir) / METRICS_FILE).read_text())
 
 
@@ -345,6 +352,9 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
             raise
         print(f"Error: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
         sys.exit(2)
+    except JobStopped as err:  # stopped and saved on a signal: not a failure (no failed.txt)
+        logging.getLogger(__name__).warning(str(err))
+        raise
     except Exception as err:
         record_failure(err)
         raise

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -16,7 +17,11 @@ def slurm() -> None:
     """A controller that answers, with its node idle or in use."""
     if os.environ.get("FSDP_PLUS_SKIP_SLURM") == "1":
         pytest.skip("FSDP_PLUS_SKIP_SLURM=1: the SLURM tests are skipped on request")
-    up = shutil.which("sinfo") is not None and subprocess.run(
-        ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True
-    ).stdout.strip() in ("idle", "mix", "alloc")
+    deadline = time.monotonic() + 30  # a node still completing an earlier job ("comp") answers in a moment
+    while (
+        up := shutil.which("sinfo") is not None
+        and subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True).stdout.strip()
+        in ("idle", "mix", "alloc")
+    ) is False and time.monotonic() < deadline:
+        time.sleep(1)
     assert up, "no SLURM controller answers: start one with `sudo bash scripts/slurm_local.sh start`"

@@ -116,11 +116,12 @@ def test_scancel_stops_every_task_within_60_s_with_a_resumable_last_checkpoint(t
 
 def test_a_requeued_attempt_in_a_new_run_directory_fails_with_how_to_keep_it(tmp_path):
     """f) ``srun fsdp-plus-train`` without a fixed run directory: Hydra gives the requeued attempt a new timestamped
-    one, which holds nothing to resume. It stops with the fix instead of silently training from the start."""
+    one, which holds nothing to resume. It stops with the fix instead of silently training from the start. The job
+    works in its own directory, not the repository's: the experiment finds its shipped model and data from there."""
     script = tmp_path / "plain.sbatch"
     script.write_text(
         "#!/usr/bin/env bash\n#SBATCH --ntasks-per-node=2\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
-        f"cd {REPO}\nsrun scripts/run fsdp-plus-train experiment=medical_lora {' '.join(OVERRIDES)}"
+        f"cd {tmp_path}\nsrun {REPO}/scripts/run fsdp-plus-train experiment=medical_lora {' '.join(OVERRIDES)}"
         f" hydra.run.dir={tmp_path}/runs/\\${{now:%H-%M-%S-%f}}\n"
     )
     job = submit(tmp_path, "plain", script=script)
@@ -159,16 +160,47 @@ def test_a_time_limit_ends_in_a_requeue_not_a_kill(tmp_path):
     assert "DUE TO TIME LIMIT" not in text
 
 
-def test_the_submitit_sweep_runs_every_job_on_slurm_and_summarises(tmp_path):
+def test_the_submitit_sweep_runs_every_job_on_slurm_and_a_preempted_job_resumes(tmp_path):
     """e) ``examples/slurm/sweep.sh``: Hydra's submitit launcher submits both jobs (2 tasks each, world size 2); each
-    writes metrics.json and the sweep summary lists both."""
-    sweep = tmp_path / "sweep"
-    command = ["bash", "examples/slurm/sweep.sh", "trainer.max_steps=6", "generate.num_prompts=0",
-               "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}"]  # fmt: skip
-    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    writes metrics.json and the sweep summary lists both. The first job is sent submitit's preemption signal
+    (SIGUSR2) after its first checkpoint: its ranks stop after one step and save ``last.ckpt`` before submitit
+    requeues it; the next attempt resumes from that checkpoint in the same job directory, and nothing is recorded as
+    a failure."""
+    sweep, name = tmp_path / "sweep", f"sweep{tmp_path.name[-12:]}"
+    command = ["bash", "examples/slurm/sweep.sh", "trainer.max_steps=20", "checkpoint.every_n_train_steps=10",
+               "generate.num_prompts=0", "trainer.enable_progress_bar=false", f"hydra.sweep.dir={sweep}",
+               f"hydra.launcher.name={name}", "hydra.launcher.array_parallelism=1"]  # fmt: skip
+    # one job at a time: two would share the 2 cores (4 ranks, 4 job processes: 259 s instead of ~120 s)
+    proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    start = time.monotonic()
+    while not list(sweep.glob("0_*/checkpoints/last.ckpt")):
+        assert proc.poll() is None, proc.stdout.read()[-4000:] if proc.stdout else ""
+        assert time.monotonic() - start < 240, "the first sweep job wrote no checkpoint in 4 minutes"
+        time.sleep(0.1)
+    running = subprocess.run(["squeue", "-h", "-n", name, "-t", "RUNNING", "-o", "%i"], capture_output=True,
+                             text=True).stdout.split()  # fmt: skip
+    first = [job for job in running if job.endswith("_0")]  # the array's task 0 is the sweep's job 0
+    assert len(first) == 1, running
+    subprocess.run(["scancel", "--signal=USR2", first[0]], check=True)
+    while proc.poll() is None:
+        pending = subprocess.run(["squeue", "-h", "-n", name, "-t", "PENDING", "-o", "%i"], capture_output=True,
+                                 text=True).stdout.split()  # fmt: skip
+        for job in pending:  # a requeued job waits ~2 min (BeginTime): release it
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        assert time.monotonic() - start < 600, "the sweep did not end in 10 minutes"
+        time.sleep(0.5)
+    output = proc.stdout.read() if proc.stdout else ""
+    assert proc.returncode == 0, output[-4000:]
     jobs = sorted(p for p in sweep.iterdir() if (p / "metrics.json").exists())
     assert [p.name.split("strategy=")[1] for p in jobs] == ["lora_int8_replicated", "lora_int8_sharded"]
     assert all(json.loads((p / "metrics.json").read_text())["world_size"] == 2 for p in jobs)
     summary = (sweep / "sweep_summary.csv").read_text()
     assert "lora_int8_replicated" in summary and "lora_int8_sharded" in summary
+    log = (jobs[0] / "train.log").read_text()
+    step = int(log.split("SIGUSR2 received; every rank stopped after step")[1].split(";")[0])
+    assert 10 <= step < 20
+    assert log.index("Caught signal SIGUSR2") > log.index("SIGUSR2 received; every rank stopped")  # saved first
+    assert f"requeued SLURM job: resuming from {jobs[0] / 'checkpoints' / 'last.ckpt'}" in log
+    assert f"Restored all states from the checkpoint at {jobs[0] / 'checkpoints' / 'last.ckpt'}" in log
+    assert "Requeued job" in log and not any((p / "failed.txt").exists() for p in jobs)

@@ -5,6 +5,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fsdp_plus import _bnb_notice  # noqa: F401  (first of ours: before peft imports bitsandbytes)
 from lightning_fsdp_plus.clipping import clip_grad_norm_across_shards, grad_norm_across_shards
 from lightning_fsdp_plus.plan import (
     FSDPUnit,

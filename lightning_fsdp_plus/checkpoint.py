@@ -364,6 +364,32 @@ def optimizer_state_by_names(state: dict[str, Any], *, names: Sequence[str]) -> 
     }
 
 
+def load_param_groups_only(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> bool:
+    """Restore a saved optimizer state that holds no per-parameter state (plain SGD without momentum, or any optimizer
+    saved before its first step): its param groups' hyperparameters (``lr`` as a scheduler left it, ``momentum``,
+    ...) go into ``optimizer``; there is nothing else to restore. Returns False, changing nothing, when the state
+    has per-parameter entries (then ``set_optimizer_state_dict`` loads it).
+
+    torch's ``set_optimizer_state_dict`` cannot load such a state from a full checkpoint: it infers the device from
+    the optimizer's own state tensors and has none (``AssertionError: Expected device to be set``)."""
+    if state.get("state"):
+        return False
+    groups = state.get("param_groups", [])
+    if len(groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(groups)} parameter group(s), this one {len(optimizer.param_groups)}:"
+            " it was saved for another optimizer configuration"
+        )
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        if len(saved.get("params", group["params"])) != len(group["params"]):
+            raise CheckpointError(
+                f"the checkpoint's optimizer group has {len(saved['params'])} parameters, this one"
+                f" {len(group['params'])}: it was saved for another model or another set of trainable parameters"
+            )
+        group.update({key: value for key, value in saved.items() if key != "params"})
+    return True
+
+
 def saved_optimizer_count(path: str | Path) -> int:
     """How many optimizers a sharded checkpoint holds (``optimizer_<i>`` entries of its DCP metadata)."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -36,6 +36,7 @@ from lightning_fsdp_plus.checkpoint import (
     check_optimizer_count,
     is_sharded_checkpoint,
     load_full,
+    load_param_groups_only,
     load_sharded,
     optimizer_state_by_ids,
     optimizer_state_by_names,
@@ -591,7 +592,8 @@ class FSDPPlusStrategy(ParallelStrategy):
         for optimizer, state in zip(optimizers, optimizer_states, strict=True):
             # DDP and single-device checkpoints key the state by parameter id
             state = optimizer_state_by_names(state, names=self._optimizer_param_names(optimizer))
-            set_optimizer_state_dict(self.model, optimizer, state, options=options)
+            if not load_param_groups_only(optimizer, state):  # plain SGD: no state tensors, which torch requires
+                set_optimizer_state_dict(self.model, optimizer, state, options=options)
         return checkpoint
 
     @override

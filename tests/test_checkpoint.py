@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from lightning_fsdp_plus.checkpoint import (
     CheckpointError,
     load_full,
+    load_param_groups_only,
     load_sharded,
     optimizer_state_by_ids,
     optimizer_state_by_names,
@@ -56,6 +57,27 @@ def test_full_optimizer_state_is_torchs_standard_layout_and_converts_back():
     assert optimizer_state_by_ids({}) == {}  # ranks > 0 hold nothing in a full state
     with pytest.raises(CheckpointError, match="the checkpoint's optimizer has 4 parameters, this one 3"):
         optimizer_state_by_names(standard, names=["a", "b", "c"])
+
+
+def test_an_optimizer_state_without_per_parameter_state_restores_the_hyperparameters():
+    """Plain SGD (or any optimizer before its first step) saves only its param groups: those are restored; a state
+    with per-parameter entries is left to torch; a different group layout is refused with both numbers."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    saved = torch.optim.SGD(model.parameters(), lr=0.05, weight_decay=0.1)
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert load_param_groups_only(fresh, saved.state_dict())
+    assert fresh.param_groups[0]["lr"] == 0.05 and fresh.param_groups[0]["weight_decay"] == 0.1
+    assert fresh.param_groups[0]["params"] == list(model.parameters()) and not fresh.state
+    stateful = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    stateful.step()
+    assert not load_param_groups_only(fresh, stateful.state_dict()) and fresh.param_groups[0]["lr"] == 0.05
+    two_groups = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+    with pytest.raises(CheckpointError, match=r"has 1 parameter group\(s\), this one 2"):
+        load_param_groups_only(two_groups, saved.state_dict())
+    fewer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    with pytest.raises(CheckpointError, match="group has 4 parameters, this one 2"):
+        load_param_groups_only(fewer, saved.state_dict())
 
 
 def test_a_plain_lightning_file_without_sidecar_loads_and_a_corrupted_one_with_sidecar_does_not(tmp_path):

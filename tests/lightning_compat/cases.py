@@ -29,6 +29,7 @@ from collections.abc import Callable
 from copy import deepcopy
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -604,20 +605,75 @@ CASES["mp__save_load_sharded_state_dict"] = partial(
 )
 
 
+# ------------------------------------------------------------------------------------------------ ours
+OWN_CASES: dict[str, Callable[[Path], None]] = {}
+"""Cases of our own that need DDP and fsdp_plus trainers in the same processes (not adapted from Lightning)."""
+
+
+class PlainSGDModel(BoringModel):
+    """Lightning's ``BoringModel`` with plain SGD (no momentum): its optimizer never holds per-parameter state."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _full_params(t: Trainer) -> dict[str, torch.Tensor]:
+    """The whole model on rank 0 (empty elsewhere), whatever the strategy (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(t.lightning_module, options=options)
+
+
+def plain_sgd_checkpoints(tmp: Path) -> None:
+    """Issue 35: a checkpoint whose optimizer has no state (plain SGD; likewise one saved before the first step)
+    loads — a full one from DDP (torch's ``set_optimizer_state_dict`` failed: "Expected device to be set") and a
+    sharded one of ours — with the learning rate it was saved with, and training goes on as DDP's resume does."""
+    seed_everything(0)
+    t = trainer(tmp, strategy="ddp", max_steps=2, barebones=True)
+    t.fit(PlainSGDModel())
+    t.optimizers[0].param_groups[0]["lr"] = 0.05  # as a scheduler would have left it: restored from the checkpoint
+    path = t.strategy.broadcast(tmp / "ddp.ckpt")
+    t.save_checkpoint(path)
+    assert torch.load(path, weights_only=True)["optimizer_states"][0]["state"] == {}
+
+    def resume(strategy: Any, ckpt: Path, steps: int = 4) -> Trainer:
+        seed_everything(1)  # the same data for every resumed run
+        resumed = trainer(tmp, strategy=strategy, max_steps=steps, barebones=True)
+        resumed.fit(PlainSGDModel(), ckpt_path=ckpt)
+        assert resumed.global_step == steps and resumed.optimizers[0].param_groups[0]["lr"] == 0.05
+        return resumed
+
+    reference = _full_params(resume("ddp", path))
+    full = _full_params(resume(FSDPPlusStrategy(state_dict_type="full"), path))
+    sharded_run = resume(FSDPPlusStrategy(state_dict_type="sharded"), path)  # a full checkpoint, read by a sharded run
+    sharded_path = sharded_run.strategy.broadcast(tmp / "sharded.ckpt")
+    sharded_run.save_checkpoint(sharded_path)  # its optimizer holds no state either
+    saved = _full_params(sharded_run)
+    restored = _full_params(resume(FSDPPlusStrategy(state_dict_type="sharded"), sharded_path))  # at step 4: restores
+    if dist.get_rank() == 0:
+        torch.testing.assert_close(full, reference, atol=1e-6, rtol=1e-5)  # DDP's all-reduce vs reduce-scatter
+        torch.testing.assert_close(restored, saved, atol=0, rtol=0)
+
+
+OWN_CASES["ours__plain_sgd_checkpoints"] = plain_sgd_checkpoints
+
+
 # ------------------------------------------------------------------------------------------------ runner
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", nargs="*", default=None, help="names (default: all)")
     args = parser.parse_args()
-    names = args.cases or list(CASES)
+    everything = {**CASES, **OWN_CASES}
+    names = args.cases or list(everything)
     for name in names:
         tmp = args.out / name.replace("[", "_").replace("]", "")
         rank = int(os.environ.get("RANK", "0"))
         tmp.mkdir(parents=True, exist_ok=True)
         try:
             seed_everything(0)
-            CASES[name](tmp)
+            everything[name](tmp)
             result = {"ok": True, "error": ""}
         except Exception:
             result = {"ok": False, "error": traceback.format_exc()}

@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from tests.helpers.launch import REPO, assert_case_passed, subprocess_env
-from tests.lightning_compat.cases import CASES, TemplateModel
+from tests.lightning_compat.cases import CASES, OWN_CASES, TemplateModel
 
 SCRIPT = REPO / "tests" / "lightning_compat" / "cases.py"
 
@@ -38,7 +38,7 @@ def launch(tmp_path_factory) -> tuple[Path, str]:
     return out, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *OWN_CASES])
 def test_lightning_case(launch, name):
     out, output = launch
     assert_case_passed(out, output, name)

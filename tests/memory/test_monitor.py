@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -70,6 +71,23 @@ def test_monitor_writes_a_summary_when_training_fails(tmp_path):
     with pytest.raises(RuntimeError, match="out of memory"):
         _fit(_Fails(), monitor, tmp_path)
     assert "latest sample" in (tmp_path / "memory_summary.exception.rank0.txt").read_text()
+
+
+class _Preempted(TinyLM):
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise SIGTERMException  # what Lightning's loops raise once every rank agreed to stop on a signal
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_preemption_is_not_summarised_as_a_failure(tmp_path, caplog):
+    """A SIGTERM, SIGUSR1 (requeue) or SIGUSR2 stop is not a failure (issue 35): no failure summary, no line that
+    says so; the strategy logs the signal, the step and the checkpoint instead."""
+    monitor = MemoryMonitor(log_every_n_steps=0)
+    with caplog.at_level("INFO"), pytest.raises(SIGTERMException):
+        _fit(_Preempted(), monitor, tmp_path)
+    assert monitor.last is not None  # it had a sample it could have written
+    assert not list(tmp_path.glob("memory_summary.exception.*")) and "at the failure" not in caplog.text
 
 
 def test_cuda_paths_use_the_allocator(monkeypatch):

@@ -39,9 +39,8 @@ def test_a_path_shipped_nowhere_stays_as_given():
 def test_the_wheel_carries_every_file_an_experiment_names(tmp_path, monkeypatch):
     """Built from the checkout and unpacked into a bare directory: every ``${shipped:...}`` path in conf/ is in the
     wheel, and resolves there when the package runs from it (no checkout around it)."""
-    named = sorted(
-        {m for f in (REPO / "conf").rglob("*.yaml") for m in re.findall(r"\$\{shipped:(examples/[^}]+)\}", f.read_text())}
-    )
+    pattern = re.compile(r"\$\{shipped:(examples/[^}]+)\}")
+    named = sorted({m for f in (REPO / "conf").rglob("*.yaml") for m in pattern.findall(f.read_text())})
     assert "examples/assets/tiny-llama" in named and len(named) >= 5
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(REPO),
                             "-w", str(tmp_path / "wheel")], capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 
+STOP_SIGNALS: tuple[int, ...] = (int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGUSR2))
+"""Signals that stop a run with a checkpoint, besides the requeue signal (:func:`requeue_signal`): SIGTERM, SIGINT and
+SIGUSR2 (submitit's preemption and timeout signal: it requeues the job itself, so the ranks save the "last"
+checkpoint and stop, as on SIGTERM)."""
+
+
 def exit_code(signum: int) -> int:
     """The status a preempted run exits with: 128 + the signal's number (143 for SIGTERM, 138 for SIGUSR1, 130 for
     SIGINT), what shells, SLURM, Kubernetes and torchrun report for a process that signal ended — so a preempted
@@ -86,10 +92,8 @@ class PreemptionSignals(_SignalConnector):
         self._in_flight: tuple[Any, torch.Tensor] | None = None  # (work, flag) of an agreement started, not read
 
     def signals(self) -> tuple[int, ...]:
-        """The signals handled: SIGTERM, SIGINT, SIGUSR2 (submitit's preemption and timeout signal: it requeues the
-        job itself, so the ranks save the "last" checkpoint and stop, as on SIGTERM) and the requeue signal."""
-        stops = (int(signal.SIGTERM), int(signal.SIGINT), int(signal.SIGUSR2))
-        return tuple(dict.fromkeys((*stops, requeue_signal(self.trainer))))
+        """The signals handled: :data:`STOP_SIGNALS` and the requeue signal."""
+        return tuple(dict.fromkeys((*STOP_SIGNALS, requeue_signal(self.trainer))))
 
     def register_signal_handlers(self) -> None:
         """Install the flag-only handler (once per stage: Lightning calls this again after the strategy's setup)."""

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-RELAYED_SIGNALS: tuple[int, ...] = (int(signal.SIGTERM), int(signal.SIGUSR1), int(signal.SIGUSR2))
-"""Passed on to the child as they arrive (it stops after the next step and saves; a duplicate is ignored there)."""
-HELD_SIGNALS: tuple[int, ...] = (*RELAYED_SIGNALS, int(signal.SIGINT))
-"""Held back from the job process's own handlers until the child has ended (SIGINT: the child got it from the
-terminal already)."""
+from lightning_fsdp_plus.preemption import STOP_SIGNALS
+
+HELD_SIGNALS: tuple[int, ...] = (*STOP_SIGNALS, int(signal.SIGUSR1))
+"""Held back from the job process's own handlers until the child has ended: the signals the child's ranks stop on
+(SIGUSR1: Lightning's default requeue signal). Each but SIGINT is passed on to the child as it arrives (it stops
+after the next step and saves; a duplicate is ignored there); SIGINT the child got from the terminal already."""
 
 
 class JobStopped(RuntimeError):
@@ -67,7 +68,7 @@ def run_relaying_signals(command: Sequence[str], *, cwd: str | Path, env: Mappin
         children.append(subprocess.Popen(list(command), cwd=cwd, env=dict(env)))
         if received:  # arrived between the handlers and the child: it has not seen it
             relay(received[0], None)
-        returncode = _wait(children[0])
+        returncode = children[0].wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -75,16 +76,6 @@ def run_relaying_signals(command: Sequence[str], *, cwd: str | Path, env: Mappin
     if ended.signum:
         _deliver(ended.signum, previous[ended.signum])
     return ended
-
-
-def _wait(child: subprocess.Popen[Any]) -> int:
-    """Wait for the child; an exception here (a handler that raised) leaves it running no longer."""
-    try:
-        return child.wait()
-    except BaseException:
-        child.kill()
-        child.wait()
-        raise
 
 
 def _deliver(signum: int, handler: Any) -> None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: one batched multi-process launch for all strategy cases, and the single-process references."""
+"""Shared fixtures: one batched multi-process launch for all strategy cases, and the single-process references;
+and how pytest-xdist's workers share the suite (:func:`pytest_collection_modifyitems`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,17 @@ from tests.helpers.launch import REPO, run_script
 from tests.helpers.models import train_reference
 
 DIST_CASES = REPO / "tests" / "helpers" / "dist_cases.py"
+PER_WORKER_FIXTURES = frozenset({"reference"})
+"""Session fixtures cheap enough for each xdist worker to compute its own copy (a memo of short single-process
+runs): they do not tie their users to one worker."""
+LONGEST_FIRST = (
+    *("slurm", "test_strategy_distributed", "test_preemption_distributed", "test_lora_experiments", "test_train_app"),
+    *("test_loading_distributed", "test_activation_checkpointing", "test_integration", "test_run_smoke"),
+    *("test_compile", "test_failures_distributed", "test_checkpoint_distributed"),
+)
+"""Work units that start first (their names or node ids contain one of these, in this order): the shared launches
+and the longest single tests, so that no worker starts a long unit while the others have nothing left; the short
+tests fill in at the end (measured: ``PYTEST_ADDOPTS=--durations=0``)."""
 LORA_KINDS = ("lora_int8", "lora_nf4")
 """The LoRA checkpoint scenarios: a replicated int8 base (adapter-only checkpoint) and a sharded NF4 one."""
 
@@ -28,6 +40,46 @@ class CaseResult:
     @property
     def rank0(self) -> dict:
         return self.ranks[0]
+
+
+def _shared_fixtures(item: pytest.Item) -> list[str]:
+    """The expensive fixtures ``item`` shares with other tests: the suite's own module- and session-scoped ones."""
+    shared = []
+    for name, definitions in item._fixtureinfo.name2fixturedefs.items():
+        definition = definitions[-1]
+        ours = Path(definition.baseid or ".").parts[:1] == ("tests",)  # not pytest's own (tmp_path_factory, ...)
+        if definition.scope in ("module", "session") and ours and name not in PER_WORKER_FIXTURES:
+            shared.append(name if definition.scope == "session" else f"{item.path}::{name}")
+    return shared
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Work units for ``pytest -n N --dist loadgroup`` (``scripts/test.sh``): tests that read one launch (a module or
+    session fixture of ours) form one unit, run by one worker, so the launch happens once; every other test is a
+    unit of its own. Units are ordered longest first (:data:`LONGEST_FIRST`). Without xdist the order is kept."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    for item in items:  # union-find: tests sharing any fixture, and fixtures shared by one test, join one unit
+        for name in _shared_fixtures(item):
+            parent[root(name)] = root(item.nodeid)
+    groups = {item.nodeid: root(item.nodeid) for item in items if _shared_fixtures(item)}
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+        return
+    for item in items:
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid].replace("/", ".").replace("::", ".")))
+
+    def rank(item: pytest.Item) -> int:
+        unit = groups.get(item.nodeid, item.nodeid)
+        hits = [i for i, key in enumerate(LONGEST_FIRST) if key in unit or key in item.nodeid]
+        return hits[0] if hits else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the collection order within a rank
 
 
 def load_case(out: Path, name: str, world_size: int = 2) -> CaseResult:

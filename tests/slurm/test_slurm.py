@@ -145,7 +145,10 @@ def test_a_time_limit_ends_in_a_requeue_not_a_kill(tmp_path):
     start here): the job is requeued with its HPC checkpoint and the next attempt resumes from it; then ``scancel``
     ends it."""
     log = tmp_path / "limited.log"
-    job = submit(tmp_path, "limited", "trainer.max_steps=100000", *OVERRIDES[1:], run_dir(tmp_path, "limited"),
+    idle = ("+callbacks.record._target_=tests.helpers.ckpt_cases.Record", f"+callbacks.record.out={tmp_path}",
+            "+callbacks.record.name=limited", "+callbacks.record.step_sleep=1")  # fmt: skip
+    # a step a second while it waits for the limit: the minute in between leaves the cores to the other tests
+    job = submit(tmp_path, "limited", "trainer.max_steps=100000", *OVERRIDES[1:], *idle, run_dir(tmp_path, "limited"),
                  flags=("--time=2", "--signal=USR1@60"))  # fmt: skip
     start = time.monotonic()
     while "Restored all states from the checkpoint" not in (log.read_text() if log.exists() else ""):

@@ -31,7 +31,7 @@ PY
 # shellcheck disable=SC2086
 "$VENV/bin/python" -m pip install -q $pins ${OLDEST:-} "hydra-core==1.3.2" "datasets==2.19.0" "matplotlib==3.9.0" \
     "torchdata==0.11.0" "tensorboard==2.18.0" "wandb==0.17.2" \
-    pytest "torch==$TORCH"
+    "pytest>=8,<9" "pytest-xdist>=3.5" "torch==$TORCH"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -m pip list 2>/dev/null | grep -iE "^(torch|lightning|transformers|peft|bitsandbytes|safetensors) "
 exec "$VENV/bin/python" -m pytest -q -x "${QUICK[@]}" "$@"

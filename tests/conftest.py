@@ -43,20 +43,24 @@ class CaseResult:
 
 
 def _shared_fixtures(item: pytest.Item) -> list[str]:
-    """The expensive fixtures ``item`` shares with other tests: the suite's own module- and session-scoped ones."""
+    """The expensive fixtures ``item`` shares with other tests: the suite's own module- and session-scoped ones
+    (``name``, or ``module.name`` for a module's)."""
     shared = []
     for name, definitions in item._fixtureinfo.name2fixturedefs.items():
         definition = definitions[-1]
         ours = Path(definition.baseid or ".").parts[:1] == ("tests",)  # not pytest's own (tmp_path_factory, ...)
         if definition.scope in ("module", "session") and ours and name not in PER_WORKER_FIXTURES:
-            shared.append(name if definition.scope == "session" else f"{item.path}::{name}")
+            shared.append(name if definition.scope == "session" else f"{item.path.stem}.{name}")
     return shared
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Work units for ``pytest -n N --dist loadgroup`` (``scripts/test.sh``): tests that read one launch (a module or
     session fixture of ours) form one unit, run by one worker, so the launch happens once; every other test is a
-    unit of its own. Units are ordered longest first (:data:`LONGEST_FIRST`). Without xdist the order is kept."""
+    unit of its own. Units are ordered longest first (:data:`LONGEST_FIRST`)."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
     parent: dict[str, str] = {}
 
     def root(key: str) -> str:
@@ -64,15 +68,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             key = parent[key]
         return key
 
-    for item in items:  # union-find: tests sharing any fixture, and fixtures shared by one test, join one unit
-        for name in _shared_fixtures(item):
-            parent[root(name)] = root(item.nodeid)
-    groups = {item.nodeid: root(item.nodeid) for item in items if _shared_fixtures(item)}
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
-        return
+    shared = {item.nodeid: _shared_fixtures(item) for item in items}
+    for names in shared.values():  # union-find: fixtures one test reads, and so every test reading them, join
+        for name in names[1:]:
+            parent[root(name)] = root(names[0])
+    members: dict[str, set[str]] = {}
+    for names in shared.values():
+        for name in names:
+            members.setdefault(root(name), set()).add(name)
+    groups = {nodeid: "+".join(sorted(members[root(names[0])])) for nodeid, names in shared.items() if names}
     for item in items:
         if item.nodeid in groups:
-            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid].replace("/", ".").replace("::", ".")))
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
 
     def rank(item: pytest.Item) -> int:
         unit = groups.get(item.nodeid, item.nodeid)
@@ -80,6 +87,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return hits[0] if hits else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the collection order within a rank
+
+
+@pytest.hookimpl(trylast=True)  # after xdist's hook
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On an xdist worker, the groups must have reached the node ids; otherwise each worker would run every shared
+    launch again, silently (pytest-xdist issue 1386, with pytest 9.2)."""
+    if getattr(session.config.option, "loadgroup", False):
+        grouped = [item.nodeid for item in session.items if item.get_closest_marker("xdist_group")]
+        lost = [nodeid for nodeid in grouped if "@" not in nodeid]
+        if lost:
+            raise pytest.UsageError(
+                f"xdist's loadgroup ignored the groups of {len(lost)} tests (e.g. {lost[0]}): "
+                "pytest-xdist issue 1386; install pytest<9 (pip install -c constraints.txt)"
+            )
 
 
 def load_case(out: Path, name: str, world_size: int = 2) -> CaseResult:

@@ -100,6 +100,9 @@ def run_base(checkpoint_path: Path) -> Path:
         if config.is_file():
             from omegaconf import OmegaConf
 
+            from lightning_fsdp_plus.app.config.shipped import register_shipped_resolver
+
+            register_shipped_resolver()  # the shipped experiments name their model ${shipped:examples/...}
             name = OmegaConf.load(config).model.get("name_or_path")
             if not name:
                 break

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up (first run) and run the whole test suite: lint, then pytest (multi-process tests use gloo on CPU).
+# Set up (first run) and run the whole test suite: lint, then pytest (multi-process tests use gloo on CPU) on every
+# core (pytest-xdist, see tests/conftest.py; extra arguments go to pytest, e.g. -n 0 for one process).
 # The cluster tests (tests/slurm/) need a SLURM controller: as root this starts a one-node one
 # (scripts/slurm_local.sh) and stops it afterwards; otherwise start it yourself with sudo, or set
 # FSDP_PLUS_SKIP_SLURM=1 to skip those tests explicitly.

@@ -3,7 +3,7 @@
 ``FSDPPlusOptions`` calls these converters while it validates, so ``strategy="fsdp"`` -> ``strategy="fsdp_plus"``
 (or ``FSDPStrategy(...)`` -> ``FSDPPlusStrategy(...)`` with the same arguments) needs nothing else. Only what has
 no FSDP2 meaning is refused, with the reason and the FSDP2 way. :data:`LIGHTNING_ARGUMENTS` documents every
-mapping (rendered into the README by :func:`compat_markdown`).
+mapping (rendered into docs/migrating.md by :func:`compat_markdown`).
 """
 
 from __future__ import annotations
@@ -181,7 +181,7 @@ def ignored_from(value: Any) -> tuple[Any, ...] | None:
 
 
 def compat_markdown() -> str:
-    """The README's table of Lightning ``FSDPStrategy`` arguments and their meaning here."""
+    """The docs' table of Lightning ``FSDPStrategy`` arguments and their meaning here (docs/migrating.md)."""
     rows = ["| `FSDPStrategy` argument | in fsdp_plus (FSDP2) |", "|---|---|"]
     for names, meaning in LIGHTNING_ARGUMENTS.items():
         rows.append(f"| {', '.join(f'`{n}`' for n in names.split(', '))} | {meaning} |")

@@ -131,16 +131,23 @@ def export_merged(checkpoint: dict[str, Any], out: Path, *, base: Path | str) ->
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``fsdp-plus-export`` (its ``--help`` is in the docs' reference)."""
+    parser = argparse.ArgumentParser(
+        prog="fsdp-plus-export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", choices=("auto", "state_dict", "adapter"), default="auto")
     parser.add_argument("--strip-prefix", default="auto", help='prefix removed from weight names ("" keeps them)')
     parser.add_argument("--merge", action="store_true", help="a LoRA run: write the base with the adapter merged in")
     parser.add_argument("--base", help="--merge: the float base model (default: the run's model.name_or_path)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point."""
+    args = build_parser().parse_args(argv)
     try:
         checkpoint = read_checkpoint(args.checkpoint)
         if args.merge:

@@ -1,13 +1,16 @@
-"""Measure the README's measured figures again and rewrite them in place (run before a release; minutes, not CI).
+"""Measure the documentation's measured figures again and rewrite them in place (before a release; minutes, not CI).
 
     python scripts/refresh_measured.py sweep        # fsdp-plus-train sweep=sharding: the sweep table (~2 min)
     python scripts/refresh_measured.py examples     # the medical and legal LoRA experiments: their table (~3 min)
     python scripts/refresh_measured.py benchmark    # python -m benchmarks.run: the performance tables (~30 min)
-    python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.json
+    python scripts/refresh_measured.py loading      # python -m benchmarks.loading: the loading tables (~10 min)
+    python scripts/refresh_measured.py autoplan     # python -m benchmarks.autoplan: predicted vs measured (~4 min)
+    python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.md
 
-Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in README.md and opens
-with the date, the machine and the command that measured it, so a figure can neither drift from the code that
-produces it nor lose where it came from. Outputs go under ``outputs/measured/`` (``--from DIR`` reuses them).
+Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in its page of
+``docs/measured/`` and opens with the date, the machine and the command that measured it, so a figure can neither
+drift from the code that produces it nor lose where it came from. Outputs go under ``outputs/measured/``
+(``--from DIR`` reuses them).
 """
 
 from __future__ import annotations
@@ -23,9 +26,8 @@ from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
-from render_docs import README, replace_block
+from render_docs import DOCS, REPO, replace_block
 
-REPO = README.parent
 OUT = REPO / "outputs" / "measured"
 EXAMPLES = ("medical_lora", "legal_lora")
 """The example experiments the examples table compares, in its column order."""
@@ -94,17 +96,19 @@ def examples_block(sweep_dir: Path, *, wall_s: float | None, command: str) -> st
 
 
 def benchmark_block(results_dir: Path, *, wall_s: float | None, command: str) -> str:
-    """The benchmark's own report (``results.md``: machine, date and command in its first line)."""
+    """A benchmark's own report (``results.md``: machine, date and command in its first lines)."""
     del wall_s, command  # the report states its command and wall time itself
     return (results_dir / "results.md").read_text().strip() + "\n"
 
 
-TARGETS: dict[str, tuple[list[str], Callable[..., str]]] = {
+TARGETS: dict[str, tuple[str, list[str], Callable[..., str]]] = {
     "sweep": (
+        "measured/examples.md",
         ["-m", "lightning_fsdp_plus.app.train", "sweep=sharding", "trainer.enable_progress_bar=false"],
         sweep_block,
     ),
     "examples": (
+        "measured/examples.md",
         [
             "-m",
             "lightning_fsdp_plus.app.train",
@@ -114,24 +118,27 @@ TARGETS: dict[str, tuple[list[str], Callable[..., str]]] = {
         ],
         examples_block,
     ),
-    "benchmark": (["-m", "benchmarks.run"], benchmark_block),
+    "benchmark": ("measured/performance.md", ["-m", "benchmarks.run"], benchmark_block),
+    "loading": ("measured/loading.md", ["-m", "benchmarks.loading"], benchmark_block),
+    "autoplan": ("measured/autoplan.md", ["-m", "benchmarks.autoplan"], benchmark_block),
 }
-"""What each block runs (arguments to ``python``) and how its output becomes the block."""
+"""Each block's page in ``docs/``, what it runs (arguments to ``python``) and how its output becomes the block."""
 
 
-def refresh(name: str, *, source: Path | None = None, readme: Path = README) -> str:
-    """Measure ``name`` (or read ``source``, a finished output directory) and rewrite its block in ``readme``."""
-    arguments, make = TARGETS[name]
+def refresh(name: str, *, source: Path | None = None, docs: Path = DOCS) -> str:
+    """Measure ``name`` (or read ``source``, a finished output directory) and rewrite its block in its page."""
+    page, arguments, make = TARGETS[name]
     out = source if source is not None else OUT / name
     command = "python " + " ".join(a for a in arguments if a != "trainer.enable_progress_bar=false")
     wall_s = None
     if source is None:
-        where = f"--out={out}" if name == "benchmark" else f"hydra.sweep.dir={out}"
+        where = f"hydra.sweep.dir={out}" if arguments[1] == "lightning_fsdp_plus.app.train" else f"--out={out}"
         wall_s = run([sys.executable, *arguments, where])
     block = make(
         out, wall_s=wall_s, command=command.replace("python -m lightning_fsdp_plus.app.train", "fsdp-plus-train")
     )
-    readme.write_text(replace_block(readme.read_text(), f"measured:{name}", block))
+    path = docs / page
+    path.write_text(replace_block(path.read_text(), f"measured:{name}", block, where=f"docs/{page}"))
     return block
 
 

@@ -16,6 +16,13 @@ if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib*/libtcmalloc_minimal.so.4 >
    || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libtcmalloc-minimal4 >/dev/null 2>&1; }) \
    || echo "setup_env: libtcmalloc-minimal4 not installed (optional: runs use glibc's malloc)" >&2
 fi
+# headless Chromium for the docs' browser check (tests/docs/test_site.py), from Debian's packages; optional elsewhere
+if ! command -v chromium-headless-shell >/dev/null 2>&1 && ! command -v chromium >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q chromium-headless-shell >/dev/null 2>&1 \
+   || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium-headless-shell >/dev/null 2>&1; }) \
+   || echo "setup_env: chromium-headless-shell not installed (the docs' browser check needs it)" >&2
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: it must be the CPU build, not a CUDA one pulled in by another package's range

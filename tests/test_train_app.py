@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from lightning_fsdp_plus.cpu_threads import cores_per_rank
+from tests.helpers.docs import doc_block, doc_commands
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
@@ -28,22 +30,22 @@ QUICK = [
 ]
 
 
-def run_app(
-    args: list[str], cwd: Path, *, module: bool = False, timeout: float = 300, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "lightning_fsdp_plus.app.train"] if module else [str(CONSOLE_SCRIPT)]
-    return subprocess.run([*command, *args], cwd=cwd, env=env or subprocess_env(), capture_output=True, text=True,
+def run_app(args: list[str], cwd: Path, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(CONSOLE_SCRIPT), *args], cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
                           timeout=timeout)  # fmt: skip
 
 
 def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path):
+    """The README's sweep line as written (fewer steps, a temporary sweep directory): FULL_SHARD and the auto plan's
+    choice (a full fine-tune: 6 candidates, 1 GiB per rank fits them all), one job each."""
     sweep_dir = tmp_path / "sweep"
-    # the second job lets the auto plan choose (a full fine-tune: 6 candidates, 1 GiB per rank fits them all)
-    args = ["-m", "strategy=full_shard,auto", "strategy.memory_budget=1GiB", "trainer.devices=2", *QUICK,
-            f"hydra.sweep.dir={sweep_dir}"]  # fmt: skip
+    [command] = doc_commands("sweep")
+    assert command[:3] == ["scripts/run", "fsdp-plus-train", "-m"]
     # as a user starts it: no OMP_NUM_THREADS, so the strategy gives each rank its share of the cores
     env = {k: v for k, v in subprocess_env().items() if k != "OMP_NUM_THREADS"}
-    proc = run_app(args, cwd=tmp_path, module=True, timeout=600, env=env)
+    proc = subprocess.run([str(REPO / command[0]), *command[1:], "trainer.devices=2", *QUICK,
+                           f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
     assert proc.returncode == 0, failure_excerpt(proc.stderr)
     jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
     assert [p.name.split("_", 1)[0] for p in jobs] == ["0", "1"]  # exactly one job per value
@@ -124,46 +126,56 @@ def test_validation_and_checkpoints_run_every_quarter_of_the_steps_not_every_epo
     assert epochs["val_check_interval"] is None and "check_val_every_n_epoch" not in epochs
 
 
+def _walkthrough_script(block: str, *, outputs: Path) -> str:
+    """The README's walkthrough block as a bash script: its lines as written, ``outputs/`` in ``outputs`` (a
+    temporary directory), and after each command a copy of the run's ``metrics.json`` and last-checkpoint metadata
+    (``outputs/after-N/``), so the test can check every step of the loop."""
+    text = re.sub(r"(?<![\w/.])outputs(?=/|\s|$)", str(outputs), block)
+    lines, step, snapshot = ["set -euo pipefail"], 0, []
+    joined = re.sub(r"\\\n\s*", " ", text)  # continuation lines joined
+    in_quote = False
+    for line in joined.splitlines():
+        lines.append(line)
+        in_quote ^= line.count('"') % 2 == 1  # TRAIN="... spans lines
+        if not in_quote and line.startswith("scripts/run "):
+            step += 1
+            after = outputs / f"after-{step}"
+            snapshot = [f"mkdir -p {after}", f"cp {outputs}/mine/metrics.json {after}/ 2>/dev/null || true",
+                        f"cp {outputs}/mine/checkpoints/last.ckpt/meta.pt {after}/ 2>/dev/null || true"]  # fmt: skip
+            lines += snapshot
+    return "\n".join(lines) + "\n"
+
+
 def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
-    """A new user's loop, as the README's walkthrough writes it: 10 lines of their own JSONL, a LoRA fine-tune,
-    resumed with ckpt_path=last, exported as one merged model, and asked a question."""
-    data = tmp_path / "my_data.jsonl"
-    data.write_text("".join(json.dumps({"instruction": f"What is {i} plus {i}?", "response": f"{2 * i}."}) + "\n"
-                            for i in range(10)))  # fmt: skip
-    run_dir, runner = tmp_path / "mine", str(REPO / "scripts" / "run")
-    train = [runner, "fsdp-plus-train", "data=instruction", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
-             "model=pretrained", "model.name_or_path=examples/assets/tiny-llama", "strategy=lora_only",
-             "model.lr=1e-2", "trainer.enable_progress_bar=false", "validate_before=false", "generate.num_prompts=0",
-             f"hydra.run.dir={run_dir}"]  # fmt: skip
-
-    def call(*command: str) -> subprocess.CompletedProcess:
-        proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, failure_excerpt(proc.stdout + proc.stderr)
-        return proc
-
-    call(*train, "trainer.max_steps=8")
-    # a run's outputs (formerly the single-run test's): metrics, checkpoint, CSV logs, rank 1's log, train.log
-    metrics = json.loads((run_dir / "metrics.json").read_text())
+    """A new user's loop, run from the README's own block: 10 lines of their own JSONL, a LoRA fine-tune, resumed
+    with ckpt_path=last, evaluated only, exported as one merged model, and asked a question."""
+    outputs = tmp_path / "outputs"
+    script = _walkthrough_script(doc_block("walkthrough"), outputs=outputs)
+    proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert proc.returncode == 0, failure_excerpt(proc.stdout + proc.stderr)
+    run_dir = outputs / "mine"
+    # the first run's outputs: metrics, checkpoint, CSV logs, rank 1's log, train.log
+    metrics = json.loads((outputs / "after-1" / "metrics.json").read_text())
     assert set(metrics) >= METRIC_KEYS and metrics["world_size"] == 2 and metrics["sharding_strategy"] == "FULL_SHARD"
     assert 0 < metrics["model_state_bytes_per_rank"] < metrics["peak_bytes_per_rank"] and metrics["tokens_per_s"] > 0
     assert math.isclose(metrics["val_perplexity"], math.exp(metrics["val_loss"]), rel_tol=1e-3)
-    assert (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "csv").is_dir()
-    assert (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran here
+    assert metrics["val_loss"] < metrics["base_val_loss"]  # it learned something from ten lines
+    assert torch.load(outputs / "after-1" / "meta.pt", weights_only=True)["global_step"] == 8
+    assert (run_dir / "csv").is_dir() and (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran here
     assert "Sharding plan: FULL_SHARD" in (run_dir / "train.log").read_text()  # Lightning's lines reach the log file
-    resumed = call(*train, "trainer.max_steps=12", "ckpt_path=last")
-    assert "Restored all states" in resumed.stdout + resumed.stderr
-    assert json.loads((run_dir / "metrics.json").read_text())["world_size"] == 2
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
-    assert checkpoint["global_step"] == 12  # 8 steps, then 4 more after the resume
-    trained = json.loads((run_dir / "metrics.json").read_text())
-    # evaluate only (train=false): the checkpoint of another run directory, the same held-out data, the same loss
-    call(*train[:-1], f"hydra.run.dir={tmp_path / 'eval'}", "train=false", f"ckpt_path={run_dir}/checkpoints/last.ckpt")
-    evaluated = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    # resumed: 8 steps, then 4 more
+    assert "Restored all states" in proc.stdout + proc.stderr
+    assert torch.load(outputs / "after-2" / "meta.pt", weights_only=True)["global_step"] == 12
+    trained = json.loads((outputs / "after-2" / "metrics.json").read_text())
+    # evaluate only (train=false): the same held-out data, the same loss, nothing trained or saved
+    evaluated = json.loads((outputs / "after-3" / "metrics.json").read_text())
     assert evaluated["mode"] == "evaluate" and evaluated["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6)
-    assert not (tmp_path / "eval" / "checkpoints").exists()  # nothing trained, nothing saved
-    call(runner, "fsdp-plus-export", str(run_dir / "checkpoints" / "last.ckpt"), str(tmp_path / "merged"), "--merge")
-    answer = call(runner, "fsdp-plus-generate", str(tmp_path / "merged"), "--prompt", "What is 3 plus 3?")
-    assert json.loads(answer.stdout.splitlines()[-1])["instruction"] == "What is 3 plus 3?"
+    assert (outputs / "after-3" / "meta.pt").read_bytes() == (outputs / "after-2" / "meta.pt").read_bytes()
+    # merged (base + LoRA) and asked: the last line is the generator's answer
+    assert (outputs / "merged" / "config.json").is_file()
+    answer = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert answer["instruction"] == "What is 3 plus 3?" and isinstance(answer["answer"], str)
 
 
 def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkpoints_by_steps_loggers(tmp_path):

@@ -9,6 +9,7 @@ plain single-process model, token for token.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any
 
@@ -76,15 +77,8 @@ def generation_prompt(record: dict[str, Any], tokenizer: Any, *, chat: bool = Fa
     return str(record["instruction"]), render_prompt(record)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``fsdp-plus-generate MODEL [--adapter DIR] [--chat] (--prompt TEXT ... | --file records.jsonl)``: greedy
-    answers to instructions, in the prompt template the app trains with, one JSON line per answer."""
-    import argparse
-    import json
-    import sys
-
-    from lightning_fsdp_plus.app.data import load_records
-
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``fsdp-plus-generate`` (its ``--help`` is in the docs' reference)."""
     parser = argparse.ArgumentParser(prog="fsdp-plus-generate", description=main.__doc__)
     parser.add_argument("model", help="a model directory: a merged export, or the base (with --adapter)")
     parser.add_argument("--adapter", help="a PEFT adapter directory (a run's adapter/ or fsdp-plus-export's)")
@@ -94,6 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat", action="store_true", help="send instructions as a user turn through the"
                         " tokenizer's chat template (for a model trained on chats)")  # fmt: skip
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``fsdp-plus-generate MODEL [--adapter DIR] [--chat] (--prompt TEXT ... | --file records.jsonl)``: greedy
+    answers to instructions, in the prompt template the app trains with, one JSON line per answer."""
+    import json
+    import sys
+
+    from lightning_fsdp_plus.app.data import load_records
+
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not args.prompt and not args.file:
         parser.error("give --prompt TEXT (repeatable) or --file RECORDS")

@@ -1,8 +1,9 @@
 """The medical LoRA experiment (the demo) for real (2 CPU processes, LoRA + int8 base), then checked in a plain
 single process: the exported adapter reproduces the held-out loss, and greedy answers match token for token.
 
-It runs as a single app run with 45 steps instead of the configured 300 to keep the suite short (the README's
-examples table quotes full runs of both, measured by scripts/refresh_measured.py). The legal experiment runs the
+It runs the README's demo command (``bash scripts/demo.sh``, read from the README) with 45 steps instead of the
+configured 300 to keep the suite short (the examples table in docs/measured/examples.md quotes full runs of both,
+measured by scripts/refresh_measured.py). The legal experiment runs the
 same code on other files: it is composed and validated in tests/config and its data checked in
 test_datasets_and_base.py.
 """
@@ -11,12 +12,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.helpers.docs import doc_commands
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 BASE = REPO / "examples" / "assets" / "tiny-llama"
@@ -26,19 +27,20 @@ DOMAINS = ["medical_lora"]
 CHECKPOINTED = "medical_lora_checkpointed"
 """The medical experiment again with ``strategy.activation_checkpointing=auto`` (no generation): it must train
 exactly as the run without checkpointing."""
-RUNS = {domain: [f"experiment={domain}"] for domain in DOMAINS} | {
-    CHECKPOINTED: ["experiment=medical_lora", "strategy.activation_checkpointing=auto", "generate.num_prompts=0"]
-}
+RUNS = {"medical_lora": [], CHECKPOINTED: ["strategy.activation_checkpointing=auto", "generate.num_prompts=0"]}
+"""Overrides on top of the demo (``experiment=medical_lora``) for each run."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
+    demo = doc_commands("setup")[0]
+    assert demo == ["bash", "scripts/demo.sh"]
+    assert "experiment=medical_lora" in (REPO / "scripts" / "demo.sh").read_text()
     runs = {}
     for name, overrides in RUNS.items():  # single runs: a multirun would start one more process (the job) per run
         run_dir = tmp_path_factory.mktemp(name)
-        command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", *overrides,
-                   "trainer.max_steps=45", "trainer.val_check_interval=45", "trainer.enable_progress_bar=false",
-                   f"hydra.run.dir={run_dir}"]  # fmt: skip
+        command = [*demo, *overrides, "trainer.max_steps=45", "trainer.val_check_interval=45",
+                   "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]  # fmt: skip
         proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, failure_excerpt(proc.stderr)
         runs[name] = run_dir

@@ -2,8 +2,8 @@
 
 Sources: lightning 2.6, tests/tests_pytorch/strategies/test_fsdp.py and test_model_parallel.py. ``ADAPTED`` maps
 each Lightning test to the test here; ``NOT_ADAPTED`` says why the rest have no counterpart. Where fsdp_plus
-differs from ``FSDPStrategy`` on purpose, the test asserts our behaviour and says so (README: "Differences from
-FSDPStrategy").
+differs from ``FSDPStrategy`` on purpose, the test asserts our behaviour and says so (docs/migrating.md: "What
+differs from FSDPStrategy on purpose").
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ def cli_markdown() -> str:
             del os.environ["COLUMNS"]
         else:
             os.environ["COLUMNS"] = previous
-    return "\n".join(sections)
+    return "\n" + "\n".join(sections)  # a blank line after the start marker: the first heading stands alone
 
 
 def _preset_description(path: Path) -> str:

@@ -7,14 +7,14 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 from lightning_fsdp_plus._dist import initialized, shutdown
-from tests.helpers.threads import gloo_threads
+from tests.helpers.threads import gloo_threads, started_gloo_threads
 
 
 def test_shutdown_stops_gloo_threads_after_fsdp2_work(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        assert gloo_threads(), "a gloo group runs worker threads"
+        assert started_gloo_threads(), "a gloo group runs worker threads"
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
         for layer in model:
             fully_shard(layer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def gloo_threads() -> list[str]:
@@ -15,3 +16,12 @@ def gloo_threads() -> list[str]:
         except FileNotFoundError:  # the thread ended while we listed
             continue
     return sorted(name for name in names if "gloo" in name)
+
+
+def started_gloo_threads(*, timeout_s: float = 10.0) -> list[str]:
+    """:func:`gloo_threads` once one is named: a new thread names itself when it first runs, so right after a gloo
+    group is created its threads may still carry the creator's name (seen on a loaded machine: none found)."""
+    deadline = time.monotonic() + timeout_s
+    while not (names := gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return names

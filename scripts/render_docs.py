@@ -107,7 +107,12 @@ def _default_text(item: dataclasses.Field) -> str:
 
 def keys_markdown() -> str:
     """Every key the app reads, from ``RunSchema`` down, with its type, default and docstring."""
-    from lightning_fsdp_plus.app.config.schema import InstructionDataSchema, RunSchema, SyntheticDataSchema
+    from lightning_fsdp_plus.app.config.schema import (
+        InstructionDataSchema,
+        RunSchema,
+        StrategySchema,
+        SyntheticDataSchema,
+    )
     from lightning_fsdp_plus.options import field_docs
 
     sections = []
@@ -119,11 +124,11 @@ def keys_markdown() -> str:
         for item in dataclasses.fields(cls):
             kind = hints.get(item.name, item.type)
             key = f"{prefix}.{item.name}" if prefix else item.name
-            if dataclasses.is_dataclass(kind) and kind.__name__ != "StrategySchema":
-                nested.append((kind, key))
             meaning = docs.get(item.name, "")
-            if kind.__class__.__name__ == "type" and getattr(kind, "__name__", "") == "StrategySchema":
+            if kind is StrategySchema:  # its fields are the options: their own page lists them
                 meaning = "every `FSDPPlusOptions` field, typed for Hydra: see the options reference"
+            elif dataclasses.is_dataclass(kind):
+                nested.append((kind, key))
             rows.append(f"| `{key}` | {_type_text(kind)} | {_default_text(item)} | {meaning.replace('|', '/')} |")
         sections.append("\n".join(rows) + "\n")
         for kind, key in nested:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import typing
 from collections.abc import Callable
@@ -27,8 +28,6 @@ HELP_COLUMNS = "100"
 
 def replace_block(text: str, name: str, content: str, *, where: str) -> str:
     """``text`` with the block between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` replaced by ``content``."""
-    import re
-
     pattern = re.compile(rf"(<!-- {re.escape(name)}:start -->\n).*?(<!-- {re.escape(name)}:end -->)", re.S)
     if not pattern.search(text):
         raise SystemExit(f"{where} has no <!-- {name}:start --> ... <!-- {name}:end --> block")

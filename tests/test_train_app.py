@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_fsdp_plus.cpu_threads import cores_per_rank
-from tests.helpers.docs import doc_block, doc_commands
+from tests.helpers.docs import doc_block, doc_commands, join_continuations
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 CONSOLE_SCRIPT = Path(sys.executable).with_name("fsdp-plus-train")
@@ -132,7 +132,7 @@ def _walkthrough_script(block: str, *, outputs: Path) -> str:
     (``outputs/after-N/``), so the test can check every step of the loop."""
     text = re.sub(r"(?<![\w/.])outputs(?=/|\s|$)", str(outputs), block)
     lines, step, snapshot = ["set -euo pipefail"], 0, []
-    joined = re.sub(r"\\\n\s*", " ", text)  # continuation lines joined
+    joined = join_continuations(text)
     in_quote = False
     for line in joined.splitlines():
         lines.append(line)

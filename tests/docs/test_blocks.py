@@ -10,7 +10,6 @@ it).
 from __future__ import annotations
 
 import ast
-import itertools
 import re
 import shlex
 
@@ -18,7 +17,15 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
 
-from tests.helpers.docs import Block, all_blocks, command_lines, doc_block, doc_commands, marker_problems
+from tests.helpers.docs import (
+    Block,
+    all_blocks,
+    command_lines,
+    doc_block,
+    doc_commands,
+    join_continuations,
+    marker_problems,
+)
 from tests.helpers.launch import REPO
 
 BLOCKS = all_blocks()
@@ -92,14 +99,13 @@ def test_python_blocks_import_and_construct_their_strategies(block: Block):
         eval(compile(ast.Expression(body=call), block.where, "eval"), namespace)
 
 
-def _expand_sweep(overrides: list[str]) -> list[list[str]]:
-    """``a=x,y b=1`` as ``[a=x b=1], [a=y b=1]`` (values in brackets or quotes are not split)."""
-    choices = []
-    for override in overrides:
-        key, _, value = override.partition("=")
-        split = value.split(",") if "," in value and not value.startswith(("[", "{", "'", '"')) else [value]
-        choices.append([f"{key}={v}" for v in split])
-    return [list(combo) for combo in itertools.product(*choices)]
+def _sweep_combinations(overrides: list[str]) -> list[list[str]]:
+    """A multirun's jobs, as Hydra's basic sweeper splits ``a=x,y b=1`` into ``[a=x b=1], [a=y b=1]``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    [combinations] = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(overrides), None)
+    return combinations
 
 
 def _app_overrides(argv: list[str]) -> list[str]:
@@ -132,7 +138,7 @@ def _compose_and_validate(overrides: list[str]) -> str | None:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module("lightning_fsdp_plus.conf", version_base="1.3"):
-            for combination in _expand_sweep(app):
+            for combination in _sweep_combinations(app):
                 validate_run_config(compose("config", overrides=combination))
     except Exception as err:
         chain = [err]
@@ -147,8 +153,7 @@ def _compose_and_validate(overrides: list[str]) -> str | None:
 def _console_commands(block: Block) -> list[tuple[list[str], list[str]]]:
     """A console transcript's ``$`` commands, each with the output lines the page shows after it."""
     commands = []
-    text = re.sub(r"\\\n\s*", " ", block.text)
-    for line in text.splitlines():
+    for line in join_continuations(block.text).splitlines():
         if line.startswith("$ "):
             commands.append((shlex.split(line[2:], comments=True), []))
         elif commands and line.strip():

@@ -23,12 +23,17 @@ MATERIAL_INDIGO = (0x40 / 255, 0x51 / 255, 0xB5 / 255)
 """The Material theme's default primary colour (its header bar): present only when the theme's CSS loaded."""
 
 
+def _mkdocs_build(root: Path, out: Path) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of the project at ``root`` into ``out``, as scripts/test.sh runs it."""
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=root,
+                          env=subprocess_env() | {"NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)], cwd=REPO,
-                          env=subprocess_env() | {"NO_MKDOCS_2_WARNING": "1"}, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = _mkdocs_build(REPO, out)
     assert proc.returncode == 0, failure_excerpt(proc.stdout + proc.stderr)
     return out
 
@@ -60,9 +65,7 @@ def test_a_broken_link_fails_the_strict_build(tmp_path):
     (copy / "lightning_fsdp_plus").symlink_to(REPO / "lightning_fsdp_plus")
     page = copy / "docs" / "troubleshooting.md"
     page.write_text(page.read_text() + "\nSee [the missing page](no-such-page.md).\n")
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "out")],
-                          cwd=copy, env=subprocess_env() | {"NO_MKDOCS_2_WARNING": "1"}, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    proc = _mkdocs_build(copy, tmp_path / "out")
     assert proc.returncode != 0
     assert "no-such-page.md" in proc.stdout + proc.stderr and "strict mode" in proc.stdout + proc.stderr
 

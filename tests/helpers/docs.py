@@ -101,9 +101,14 @@ def doc_block(name: str) -> str:
     return block.text
 
 
+def join_continuations(text: str) -> str:
+    """A shell text with its backslash-continued lines joined into one line each."""
+    return re.sub(r"\\\n\s*", " ", text)
+
+
 def command_lines(text: str) -> list[list[str]]:
     """A shell block's commands, each as argv: continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\n\s*", " ", text)
+    joined = join_continuations(text)
     return [shlex.split(line, comments=True) for line in joined.splitlines() if shlex.split(line, comments=True)]
 
 

@@ -35,6 +35,8 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 """Values ``start_method`` accepts."""
 STATE_DICT_TYPES = ("sharded", "full")
 """Values ``state_dict_type`` accepts."""
+CHECKPOINTING_MODES = ("full", "selective")
+"""Values ``activation_checkpointing_mode`` accepts."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class FSDPPlusOptions:
     activation_checkpointing: Any = None
     """Modules whose forward is recomputed in backward, chosen like ``auto_wrap_policy`` (``"auto"``, classes or
     class names, a callable or an FSDP1 policy); ``None`` for none."""
+    activation_checkpointing_mode: Literal["full", "selective"] = "full"
+    """How those modules are checkpointed: ``full`` keeps only each module's inputs and recomputes its whole
+    forward in backward; ``selective`` keeps the outputs of its matmuls and attention too and recomputes the rest
+    (norms, activations, casts, rotary): torchtitan's "op" policy through torch's selective-checkpoint API, a
+    middle ground in memory and in recompute time."""
     mixed_precision: Any = None
     """``None`` derives FSDP2's ``MixedPrecisionPolicy`` from ``Trainer(precision=...)``; or a
     ``MixedPrecisionPolicy``, FSDP1's ``MixedPrecision``, or ``{param_dtype, reduce_dtype, output_dtype,
@@ -189,6 +196,9 @@ class FSDPPlusOptions:
             raise ValueError(f"param_init_fn={self.param_init_fn!r} must be a callable (module) -> None, or None")
         self._set_lora_and_quantization()
         self._set("compile", _compile_option(self.compile))
+        if self.activation_checkpointing_mode not in CHECKPOINTING_MODES:
+            raise ValueError(f"activation_checkpointing_mode={self.activation_checkpointing_mode!r} is not one of"
+                             f" {', '.join(CHECKPOINTING_MODES)}")  # fmt: skip
         if self.state_dict_type not in STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={self.state_dict_type!r} is not one of {', '.join(STATE_DICT_TYPES)}")
         if self.start_method not in START_METHODS:

@@ -214,6 +214,9 @@ class ShardingPlan:
     """Parameters kept out of FSDP and replicated on every rank."""
     activation_checkpointing: tuple[str, ...] = field(default=())
     """Module paths whose forward is recomputed in backward."""
+    checkpointing_mode: str = "full"
+    """``full`` (recompute each checkpointed module's whole forward) or ``selective`` (keep matmul and attention
+    outputs, recompute the rest)."""
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     """FSDP2's mixed-precision policy for every unit."""
     cpu_offload: bool = False
@@ -229,6 +232,8 @@ class ShardingPlan:
     """The :class:`~lightning_fsdp_plus.compile.CompileSpec` units are compiled with (``None``: eager)."""
     compiled: tuple[str, ...] = ()
     """Paths of the unit modules whose ``forward`` is compiled (every unit but the root, or the root alone)."""
+    edge_units: tuple[str, ...] = ()
+    """Units the ``auto`` policy made of the input embeddings and the output head (torchtitan's layout)."""
     auto_plan: Any = None
     """With ``sharding_strategy="auto"``: the :class:`~lightning_fsdp_plus.autoplan.AutoPlan` this plan was chosen by
     (every candidate, its predictions, the choice)."""
@@ -264,6 +269,7 @@ class ShardingPlan:
             ],
             "replicated": [{"name": p.name, "bytes_per_rank": p.bytes_per_rank} for p in self.replicated],
             "activation_checkpointing": list(self.activation_checkpointing),
+            "checkpointing_mode": self.checkpointing_mode,
             "mixed_precision": {k: _dtype_name(getattr(self.mp_policy, k)) for k in _POLICY_FIELDS},
             "cpu_offload": self.cpu_offload,
             "forward_prefetch": self.forward_prefetch,
@@ -271,6 +277,7 @@ class ShardingPlan:
             "float_layers": dict(self.float_layers),
             "compile": None if self.compile is None else self.compile.describe(),
             "compiled": [p or "<root>" for p in self.compiled],
+            "edge_units": list(self.edge_units),
             "bytes_per_rank": self.bytes_per_rank,
             "auto_plan": None if self.auto_plan is None else self.auto_plan.to_dict(),
         }
@@ -316,8 +323,12 @@ class ShardingPlan:
                 f"root kept gathered from forward to backward: +{root.num_params:,} params' gathered copy at the"
                 " end of forward, one all-gather fewer per step (reshard_root_after_forward=True frees it)"
             )
+        if self.edge_units:
+            body.append(f"embeddings and output head in units of their own: {', '.join(self.edge_units)}")
         if self.activation_checkpointing:
-            body.append(f"activation checkpointing: {', '.join(self.activation_checkpointing)}")
+            selective = " (selective: matmul and attention outputs kept)" if self.checkpointing_mode == "selective" \
+                else ""
+            body.append(f"activation checkpointing{selective}: {', '.join(self.activation_checkpointing)}")
         if self.compile is not None:
             body.append(f"compiled ({self.compile.describe()}, each unit's forward):"
                         f" {', '.join(p or '<root>' for p in self.compiled)}")  # fmt: skip
@@ -360,10 +371,12 @@ def build_sharding_plan(
     model: nn.Module,
     *,
     unit_paths: Iterable[str],
+    edge_units: Iterable[str] = (),
     sharding_strategy: ShardingStrategy,
     mesh: MeshLayout,
     ignored_params: Collection[nn.Parameter] = (),
     activation_checkpointing: Iterable[str] = (),
+    checkpointing_mode: str = "full",
     reshard_after_forward: bool | None = None,
     reshard_root_after_forward: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -382,10 +395,12 @@ def build_sharding_plan(
     with the plan to ``fully_shard``.
     Tied parameters stay in one unit (:class:`TiedGroup`): unit paths that would split them are dropped, unless
     ``keep_tied_together`` is false (describing units that exist already). ``float_layers`` (the frozen linear
-    layers quantization left in float, with why) are recorded and printed.
+    layers quantization left in float, with why) are recorded and printed. ``edge_units`` (the embeddings and the
+    output head) become units like ``unit_paths`` but are not compiled.
     """
     reshard = sharding_strategy.reshard_after_forward if reshard_after_forward is None else reshard_after_forward
-    paths = {p for p in unit_paths if p}
+    edges = [p for p in edge_units if p]
+    paths = {p for p in [*unit_paths, *edges] if p}
     modules = dict(model.named_modules())
     unknown = sorted(paths - modules.keys())
     if unknown:
@@ -429,13 +444,15 @@ def build_sharding_plan(
         units=units,
         replicated=tuple(replicated),
         activation_checkpointing=tuple(activation_checkpointing),
+        checkpointing_mode=checkpointing_mode,
         mp_policy=mp_policy or MixedPrecisionPolicy(),
         cpu_offload=cpu_offload,
         forward_prefetch=forward_prefetch,
         tied=tied,
         float_layers=tuple(float_layers),
         compile=compile,
-        compiled=compiled_paths(u.path for u in units) if compile is not None else (),
+        compiled=compiled_paths(u.path for u in units if u.path not in edges) if compile is not None else (),
+        edge_units=tuple(p for p in edges if p in paths),
     )
 
 

@@ -3,7 +3,9 @@
 Accepted ``auto_wrap_policy`` values:
 
 - ``"auto"``: the classes in transformers' ``_no_split_modules`` of any ``PreTrainedModel`` inside the
-  model; otherwise the repeated module class with the most parameters per instance (a transformer block).
+  model; otherwise the repeated module class with the most parameters per instance (a transformer block). With
+  it the strategy also makes the input embeddings and output head units of their own
+  (:func:`embedding_unit_paths`, applied in :func:`~lightning_fsdp_plus.pipeline.plan_model`).
 - a list of module classes or class names, resolved against the model's own classes;
 - ``{"min_num_params": N}``: bottom-up, a module becomes a unit when it holds at least N parameters
   not already in a nested unit (FSDP1's size-based policy);
@@ -175,6 +177,25 @@ def select_unit_paths(model: nn.Module, policy: WrapPolicy, *, key: str = "auto_
         return [name for name, module in model.named_modules() if name and policy(module)]
     items = [policy] if isinstance(policy, type) else list(policy)
     return _paths_of_classes(model, resolve_module_classes(model, items, key=key))
+
+
+def embedding_unit_paths(model: nn.Module) -> list[str]:
+    """Paths of the input embeddings and output head of every transformers-style model inside ``model``
+    (``get_input_embeddings()`` / ``get_output_embeddings()``, when they are a ``nn.Embedding`` / ``nn.Linear``
+    holding parameters), in module order."""
+    found: set[int] = set()
+    for module in model.modules():
+        for getter, kind in (("get_input_embeddings", nn.Embedding), ("get_output_embeddings", nn.Linear)):
+            fn = getattr(type(module), getter, None)
+            if fn is None:
+                continue
+            try:
+                layer = getattr(module, getter)()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(layer, kind) and any(True for _ in layer.parameters()):
+                found.add(id(layer))
+    return [name for name, module in model.named_modules() if name and id(module) in found]
 
 
 def _paths_of_classes(model: nn.Module, classes: set[type[nn.Module]]) -> list[str]:

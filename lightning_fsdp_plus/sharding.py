@@ -48,7 +48,7 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMes
 
     The plan's replicated parameters are FSDP2 ``ignored_params`` of the unit that holds them.
     """
-    apply_activation_checkpointing(model, plan.activation_checkpointing)
+    apply_activation_checkpointing(model, plan.activation_checkpointing, mode=plan.checkpointing_mode)
     if plan.compile is not None:  # torchtitan's order: checkpointing -> compile -> fully_shard
         compile_units(model, plan.compiled, spec=plan.compile)
     offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
@@ -73,8 +73,31 @@ def apply_sharding_plan(model: nn.Module, plan: ShardingPlan, *, mesh: DeviceMes
     return sharded
 
 
-def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> None:
-    """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``).
+def selective_saved_ops() -> frozenset[Any]:
+    """The operators whose outputs selective checkpointing keeps (torchtitan's "op" policy): matmuls and
+    attention, the expensive ones to recompute; everything else (norms, activations, casts) is recomputed."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu")  # fmt: skip
+    return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
+
+
+def selective_checkpoint_context() -> Any:
+    """torch's selective-checkpoint contexts that keep :func:`selective_saved_ops`' outputs."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = selective_saved_ops()
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, paths: Collection[str], *, mode: str = "full") -> None:
+    """Checkpoint the submodules at ``paths`` (torch's composable, non-reentrant ``checkpoint``); ``mode="selective"``
+    keeps the matmul and attention outputs (:func:`selective_saved_ops`) and recomputes the rest.
 
     A checkpointed layer runs its forward twice: once in forward, again in backward. A layer that writes a
     key/value cache (a transformers decoder layer under ``use_cache=True``, the config's default) would append its
@@ -89,7 +112,10 @@ def apply_activation_checkpointing(model: nn.Module, paths: Collection[str]) -> 
         if transformers_checkpointing(module):
             module.gradient_checkpointing = False
         drop_cache_under_grad(module, why="activation checkpointing recomputes its forward in backward")
-        checkpoint(module)
+        if mode == "selective":
+            checkpoint(module, context_fn=selective_checkpoint_context)
+        else:
+            checkpoint(module)
 
 
 def transformers_checkpointing(module: nn.Module) -> bool:

@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_fsdp_plus.loss import causal_lm_loss
+
 
 def target_tokens(batch: Tensor | dict[str, Tensor]) -> int:
     """Tokens the loss averages over: every next token, minus labels masked with -100."""
@@ -26,6 +28,9 @@ class CausalLMModule(LightningModule):
         lr: AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
+        chunked_loss: Compute the loss chunk by chunk inside the output head's call
+            (:func:`~lightning_fsdp_plus.loss.causal_lm_loss`): the batch's float32 logits never exist. False: the
+            model's own ``.loss``. Both give the same loss and gradients.
 
     Batches are either a LongTensor of token ids (labels = inputs) or a mapping with ``input_ids`` and
     optionally ``attention_mask`` and ``labels`` (``-100`` marks tokens left out of the loss).
@@ -33,11 +38,18 @@ class CausalLMModule(LightningModule):
     """
 
     def __init__(
-        self, model: nn.Module, *, lr: float = 1e-3, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        chunked_loss: bool = True,
     ) -> None:
         super().__init__()
         self.model = model
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
+        self.chunked_loss = chunked_loss
 
     @classmethod
     def from_pretrained(
@@ -71,13 +83,14 @@ class CausalLMModule(LightningModule):
         return self.model(**batch)
 
     def loss(self, batch: Tensor | dict[str, Tensor]) -> Tensor:
-        """Mean next-token cross-entropy of a batch. No key/value cache: nothing reads it in training or
+        """Mean next-token cross-entropy of a batch (chunked unless ``chunked_loss=False``). No key/value cache:
+        nothing reads it in training or
         validation, and in validation it would hold every layer's keys and values until the loss is computed."""
         if isinstance(batch, Tensor):
             batch = {"input_ids": batch, "labels": batch}
         if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
             batch = {**batch, "use_cache": False}
-        return self.model(**batch).loss
+        return causal_lm_loss(self.model, batch, chunked=self.chunked_loss)
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
         """One optimisation step's loss, logged as ``train_loss``."""

@@ -87,7 +87,8 @@ def build_module(model_cfg: DictConfig, *, tokenizer: Any = None) -> Any:
             raise ConfigError("model.config.vocab_size is null (the data's tokenizer's size) but the data module has"
                               " no tokenizer: set model.config.vocab_size=N")  # fmt: skip
         config["vocab_size"] = len(tokenizer)
-    hyper = {"lr": model_cfg.lr, "weight_decay": model_cfg.weight_decay}
+    hyper = {"lr": model_cfg.lr, "weight_decay": model_cfg.weight_decay,
+             "chunked_loss": model_cfg.get("chunked_loss", True)}  # fmt: skip
     if model_cfg.name_or_path is not None and model_cfg.low_memory_load:  # weights read per rank after sharding
         return CausalLMModule.from_pretrained(model_cfg.name_or_path, torch_dtype=model_cfg.torch_dtype,
                                               config_overrides=config, **hyper)  # fmt: skip

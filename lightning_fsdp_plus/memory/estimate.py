@@ -49,11 +49,12 @@ from lightning_fsdp_plus.memory.assumptions import (
 )
 from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, config_source, fake_model
 from lightning_fsdp_plus.memory.monitor import SavedActivations
+from lightning_fsdp_plus.memory.timeline import Moment, UnitActivations, UnitCost, peak_moment, step_timeline
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.pipeline import plan_model
 from lightning_fsdp_plus.plan import MeshLayout, ParamInfo, ShardingStrategy, resolve_mesh_layout, sharded_numel
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, compute_dtype
-from lightning_fsdp_plus.sharding import apply_activation_checkpointing
+from lightning_fsdp_plus.sharding import apply_activation_checkpointing, selective_saved_ops
 
 STRATEGY_CHOICES = ("all", *ShardingStrategy.__members__)
 """Valid ``strategy`` values: a strategy name (any case) or ``all``."""
@@ -78,6 +79,20 @@ class ModelDescription:
     gradient and the next one beside it."""
     source: str = ""
     """Where the description came from (a config path, a module class, a parameter count)."""
+    unit_paths: tuple[str, ...] = ()
+    """Module path of each unit, aligned with ``units`` (the root, ``""``, last)."""
+    unit_activations: tuple[int, ...] = ()
+    """Saved-for-backward bytes each unit's own forward adds (aligned with ``units``; empty: not counted per unit,
+    the step is then not laid out as a timeline)."""
+    unit_recompute: tuple[int, ...] = ()
+    """With activation checkpointing: what each unit's backward recomputes (aligned with ``units``)."""
+    unit_largest: tuple[int, ...] = ()
+    """The largest tensor each unit saves (aligned with ``units``)."""
+    forward_order: tuple[int, ...] = ()
+    """Indices into ``units`` of the non-root units in the order their forward runs."""
+    loss_transient_bytes: int = 0
+    """What computing the loss allocates beyond the saved activations (the chunked loss: one chunk's float32
+    logits, their gradient and its cast)."""
 
     def _all(self) -> Iterable[ParamInfo]:
         return (p for unit in (*self.units, self.replicated) for p in unit)
@@ -150,6 +165,11 @@ class MemoryEstimate:
     """With ``cpu_offload``: the stored parameters, gradients and optimizer state in host memory."""
     simulated: dict[str, int] | None = field(default=None)
     """With ``simulate``: torch's FSDP2 memory tracker's peak by category on a fake process group."""
+    peak_moment: str | None = None
+    """The step's moment with the most live bytes (``forward <unit>``, ``loss``, ``backward <unit>``, ``optimizer
+    step``; :mod:`~.timeline`); None when the units are not known."""
+    timeline: tuple[dict[str, Any], ...] = ()
+    """Every moment of the step: name, live bytes (without the platform's gather copies) and their parts."""
 
     def to_dict(self) -> dict[str, Any]:
         """All fields (bytes as integers)."""
@@ -288,11 +308,32 @@ def estimate_strategy(
     act = model.activation_bytes
     peak = None if act is None else max(end_of_forward + act, end_of_backward)
     with_transient = None if peak is None or transient is None else max(peak + transient, end_of_backward + temporaries)
-    live = real = None
-    if with_transient is not None:
+    moments: list[Moment] = []
+    if with_transient is not None and model.unit_activations:
+        costs = [
+            UnitCost(path=path, gathered=compute_copy(unit), unsharded_grads=unsharded_grads(unit),
+                     grad_shards=sum(_elements(p, shard) * pb.grad for p in unit if p.trainable and p.sharded),
+                     reshards=again, activations=act_i, recompute=recompute_i, largest_activation=largest_i)
+            for path, unit, again, act_i, recompute_i, largest_i in zip(
+                model.unit_paths, model.units, regathered, model.unit_activations, model.unit_recompute,
+                model.unit_largest, strict=True)
+        ]  # fmt: skip
+        timeline = {
+            "units": [costs[i] for i in model.forward_order], "root": costs[-1], "stored": stored, "optimizer": opt,
+            "loss_transient": model.loss_transient_bytes, "dequantized": dequantized_weight_bytes(
+                model, compute_bytes=pb.compute), "optimizer_temporaries": temporaries, "prefetch": shard > 1,
+        }  # fmt: skip
+        moments = step_timeline(**timeline)
+        with_transient = peak_moment(moments).bytes
+        live_moments = step_timeline(**timeline, gather_copies=platform.gather_copies if shard > 1 else 0)
+        live = peak_moment(live_moments).bytes
+        real = math.ceil(live * platform.allocator_factor)
+    elif with_transient is not None:
         gathered = max((compute_copy(u) for u in model.units), default=0) if shard > 1 else 0
         live = with_transient + platform.gather_copies * gathered
         real = math.ceil(live * platform.allocator_factor)
+    else:
+        live = real = None
     return MemoryEstimate(
         sharding_strategy=sharding_strategy.value,
         world_size=world_size,
@@ -303,7 +344,7 @@ def estimate_strategy(
         optimizer=opt,
         model_state_bytes_per_rank=max(end_of_forward, end_of_backward),
         activation_bytes_per_rank=act,
-        largest_unit_transient_bytes=transient,
+        largest_unit_transient_bytes=transient if not moments or peak is None else with_transient - peak,
         peak_bytes_per_rank=peak,
         peak_with_transient_bytes_per_rank=with_transient,
         live_peak_bytes_per_rank=live,
@@ -311,6 +352,8 @@ def estimate_strategy(
         platform=platform.name,
         optimizer_temporary_bytes=temporaries,
         host_bytes_per_rank=host,
+        peak_moment=peak_moment(moments).name if moments else None,
+        timeline=tuple(m.to_dict() for m in moments),
     )
 
 
@@ -331,6 +374,7 @@ def describe_module(
         replicated=plan.replicated,
         activation_bytes=activation_bytes,
         source=source or type(model).__name__,
+        unit_paths=tuple(u.path for u in plan.units),
     )
 
 
@@ -385,7 +429,9 @@ def count_activations(run_forward: Callable[[], Any], *, precision: str) -> int:
     return saved_activations(run_forward, precision=precision).bytes
 
 
-def describe_config(config: Any, *, precision: str, options: FSDPPlusOptions, batch: ForwardBatch) -> ModelDescription:
+def describe_config(
+    config: Any, *, precision: str, options: FSDPPlusOptions, batch: ForwardBatch, chunked_loss: bool = True
+) -> ModelDescription:
     """Build the config's model on FakeTensors (no memory), prepared by the pipeline as the strategy prepares it
     (LoRA, int8), count one forward's activations, and describe it.
 
@@ -394,7 +440,8 @@ def describe_config(config: Any, *, precision: str, options: FSDPPlusOptions, ba
     """
     checkpointed = options.activation_checkpointing is not None
     variants = describe_config_variants(config, precision=precision, options=options, batch=batch,
-                                        lora_only=(options.lora_only,), checkpointing=(checkpointed,))  # fmt: skip
+                                        lora_only=(options.lora_only,), checkpointing=(checkpointed,),
+                                        chunked_loss=chunked_loss)  # fmt: skip
     return variants[options.lora_only, checkpointed]
 
 
@@ -406,30 +453,77 @@ def describe_config_variants(
     batch: ForwardBatch,
     lora_only: Sequence[bool] = (False,),
     checkpointing: Sequence[bool] = (False,),
+    chunked_loss: bool = True,
 ) -> dict[tuple[bool, bool], ModelDescription]:
     """``(lora_only, checkpointed) -> description`` for every pair asked, from one FakeTensor build (the auto plan
     describes many candidates; only quantization needs another build). ``config``: a ``config.json`` path or a
     transformers config object. Checkpointing uses ``options.activation_checkpointing``, else the wrap policy's
-    units (every unit but the root)."""
+    units (every unit but the root), in ``options.activation_checkpointing_mode``. The forward computes the loss
+    as the app does (:func:`~lightning_fsdp_plus.loss.causal_lm_loss`, chunked unless ``chunked_loss=False``); what
+    it saves is counted per unit (the step's timeline needs it)."""
+    from lightning_fsdp_plus.loss import default_chunk_tokens
+
     built = options.replace(lora_only=False, activation_checkpointing=None)
     policy = options.activation_checkpointing if options.activation_checkpointing is not None else (
         options.auto_wrap_policy)  # fmt: skip
+    selective = options.activation_checkpointing_mode == "selective"
     one_unit = MeshLayout(replicate=1, shard=1)
     with fake_model(config, dtype=compute_dtype(precision), options=built, batch=batch) as (model, inputs):
         plain = {mode: describe_module(model, options=built.replace(lora_only=mode), source=config_source(config))
                  for mode in lora_only}  # fmt: skip
-        saved = saved_activations(lambda: model(**inputs).loss, precision=precision)
-        activations, largest = saved.bytes, saved.largest
-        plain = {mode: replace(d, largest_activation_bytes=largest) for mode, d in plain.items()}
-        out = {(mode, False): replace(d, activation_bytes=activations) for mode, d in plain.items()}
+        modules = dict(model.named_modules())
+        unit_paths = sorted({p for d in plain.values() for p in d.unit_paths if p})
+        paths: tuple[str, ...] = ()
         if True in checkpointing:
             paths = plan_model(model, built.replace(activation_checkpointing=policy), layout=one_unit,
                                precision=precision, device_type="cpu").activation_checkpointing  # fmt: skip
-            apply_activation_checkpointing(model, paths)
-            kept = count_activations(lambda: model(**inputs).loss, precision=precision)
+        counter = UnitActivations({modules[p]: p for p in unit_paths}, checkpointed={modules[p]: p for p in paths},
+                                  saved_ops=selective_saved_ops() if selective else frozenset())  # fmt: skip
+
+        def forward() -> Any:
+            return model(chunked_loss=chunked_loss, **inputs)
+
+        with FSDPPlusPrecision(precision).forward_context(), counter:  # type: ignore[arg-type]
+            forward()
+        activations, largest = counter.bytes, counter.largest
+        plain_units, largest_units, order = counter.by_unit(), counter.largest_by_unit(), list(counter.order)
+        kept_ops = dict(counter.op_outputs)
+        config_obj = getattr(model, "config", None)
+        vocab, hidden = getattr(config_obj, "vocab_size", 0) or 0, getattr(config_obj, "hidden_size", 0) or 0
+        loss_transient = 0
+        if chunked_loss and vocab and hidden:
+            chunk = default_chunk_tokens(tokens=batch.batch_size * batch.seq_len, hidden=hidden, vocab=vocab)
+            loss_transient = chunk * vocab * (8 + torch.empty((), dtype=compute_dtype(precision)).element_size())
+
+        def laid_out(d: ModelDescription, saved: dict[str, int], recompute: dict[str, int]) -> ModelDescription:
+            own = set(d.unit_paths)
+            folded = {p: v for p, v in saved.items() if p in own}
+            folded[""] = sum(v for p, v in saved.items() if p not in own)  # saved outside its units: the root's
+            return replace(
+                d, unit_activations=tuple(folded.get(p, 0) for p in d.unit_paths),
+                unit_recompute=tuple(recompute.get(p, 0) for p in d.unit_paths),
+                unit_largest=tuple(largest_units.get(p, 0) if p in own and p else max(
+                    (v for q, v in largest_units.items() if q not in own or not q), default=0) for p in d.unit_paths),
+                forward_order=tuple(d.unit_paths.index(p) for p in order if p in own and p),
+                loss_transient_bytes=loss_transient,
+            )  # fmt: skip
+
+        plain = {mode: replace(d, largest_activation_bytes=largest) for mode, d in plain.items()}
+        out = {(mode, False): laid_out(replace(d, activation_bytes=activations), plain_units, {})
+               for mode, d in plain.items()}  # fmt: skip
+        if True in checkpointing:
+            apply_activation_checkpointing(model, paths)  # full: what each unit keeps is its inputs
+            full = UnitActivations({modules[p]: p for p in unit_paths})
+            with FSDPPlusPrecision(precision).forward_context(), full:  # type: ignore[arg-type]
+                forward()
+            kept_units = full.by_unit()
+            if selective:  # the matmul and attention outputs are kept as well
+                kept_units = {p: min(plain_units.get(p, 0), v + kept_ops.get(p, 0)) for p, v in kept_units.items()}
+            kept = sum(kept_units.values())
+            recompute_units = {p: max(plain_units.get(p, 0) - kept_units.get(p, 0), 0) for p in plain_units}
             recompute = (activations - kept) // max(len(paths), 1)
-            out |= {(mode, True): replace(d, activation_bytes=kept, recompute_bytes=recompute)
-                    for mode, d in plain.items()}  # fmt: skip
+            out |= {(mode, True): laid_out(replace(d, activation_bytes=kept, recompute_bytes=recompute), kept_units,
+                                           recompute_units) for mode, d in plain.items()}  # fmt: skip
     return {key: value for key, value in out.items() if key[1] in checkpointing}
 
 
@@ -460,6 +554,7 @@ def estimate_memory(
     padded: bool = False,
     simulate: bool = False,
     platform: Platform = PLATFORMS["cuda"],
+    chunked_loss: bool = True,
     **option_fields: Any,
 ) -> tuple[ModelDescription, list[MemoryEstimate]]:
     """Estimates for every (world size, strategy) pair, from a parameter count or a transformers config.
@@ -469,7 +564,8 @@ def estimate_memory(
     ``hybrid_shard_size=``, ``cpu_offload=``); ``activation_checkpointing=True`` checkpoints every FSDP unit but
     the root. Every argument is checked before any model is built; errors are :class:`EstimateError` naming the
     key. ``simulate`` adds torch's FSDP2 memory tracker's peak (fake process group, FakeTensors) to each;
-    ``platform`` is what the real peak is for.
+    ``platform`` is what the real peak is for; ``chunked_loss=False`` counts the model's own loss (the batch's
+    float32 logits) instead of the app's chunked one.
     """
     if (params is None) == (config is None):
         raise EstimateError("give exactly one of params (a parameter count) or config (a config.json path)")
@@ -501,7 +597,7 @@ def estimate_memory(
             quantize_base=opts.quantize_base, lora_only=opts.lora_only,
         )  # fmt: skip
     else:
-        model = describe_config(config, precision=precision, options=opts, batch=batch)
+        model = describe_config(config, precision=precision, options=opts, batch=batch, chunked_loss=chunked_loss)
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size,
               "reshard_root": opts.reshard_root_after_forward, "platform": platform}  # fmt: skip
     estimates = [
@@ -517,7 +613,7 @@ def estimate_memory(
         estimates = [
             replace(e, simulated=simulate_peak(config, options=opts.replace(sharding_strategy=e.sharding_strategy),
                                                world_size=e.world_size, batch=batch, precision=precision,
-                                               optimizer=optimizer))
+                                               optimizer=optimizer, chunked_loss=chunked_loss))
             for e in estimates
         ]  # fmt: skip
     return model, estimates

@@ -45,9 +45,15 @@ class CausalLMHolder(nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, **batch: torch.Tensor) -> Any:
-        """Run the held model."""
-        return self.model(**batch)
+    def forward(self, chunked_loss: bool | None = None, **batch: torch.Tensor) -> Any:
+        """Run the held model; with ``chunked_loss`` given, return the loss as the app computes it
+        (:func:`~lightning_fsdp_plus.loss.causal_lm_loss`) inside this root's call, as a LightningModule's
+        ``training_step`` runs inside its root's."""
+        if chunked_loss is None:
+            return self.model(**batch)
+        from lightning_fsdp_plus.loss import causal_lm_loss
+
+        return causal_lm_loss(self.model, batch, chunked=chunked_loss)
 
 
 def load_config(path: Any) -> Any:

@@ -37,8 +37,10 @@ def simulate_peak(
     batch: ForwardBatch,
     precision: str = "bf16-mixed",
     optimizer: str = "adamw",
+    chunked_loss: bool = True,
 ) -> dict[str, int]:
-    """Rank 0's peak bytes by ``FSDPMemTracker`` category (and ``total``) for two training steps."""
+    """Rank 0's peak bytes by ``FSDPMemTracker`` category (and ``total``) for two training steps (the loss computed
+    as the app does: chunked unless ``chunked_loss=False``)."""
     if dist.is_initialized():
         raise EstimateError("simulate=True starts a fake process group: run it where none is initialised")
     layout = options.mesh_layout(world_size=world_size)
@@ -55,7 +57,7 @@ def simulate_peak(
             with tracker:
                 for _ in range(2):  # the second step has optimizer state
                     with FSDPPlusPrecision(precision).forward_context():  # type: ignore[arg-type]
-                        loss = model(**inputs).loss
+                        loss = model(chunked_loss=chunked_loss, **inputs)
                     loss.backward()
                     opt.step()
                     opt.zero_grad()

@@ -1,0 +1,253 @@
+"""One training step as a timeline of moments, and the live bytes of each: the estimator's peak is the largest.
+
+Moments, in order: each FSDP unit's forward (execution order), the loss, each unit's backward (reverse order), the
+optimizer step. At each one the live tensors of a rank are
+
+* always: the stored parameters (shards, replicated ones) and the optimizer state;
+* in forward: the activations saved so far, the gathered copy of every unit that stays gathered after its forward
+  (SHARD_GRAD_OP, NO_SHARD, the root unless resharded), the running unit's gathered copy and the next one's
+  (FSDP2's prefetch);
+* at the loss: every saved activation and what the loss itself allocates (a chunk's float32 logits and their
+  gradient with the chunked loss; the plain loss's logits are saved activations of the head already);
+* in a unit's backward: the activations of that unit and those before it (the later ones are freed), the gradient
+  shards of the units whose backward ran, the unit's gathered copy (re-gathered when it resharded after forward)
+  and its unsharded gradients, the next unit's prefetched all-gather and the last one's reduce-scatter input, the
+  recomputed activations of a checkpointed unit with their gradients, two tensors of the unit's largest saved
+  activation (its gradient and the one beside it) and the largest quantized weight dequantized;
+* at the optimizer step: every gradient shard and the optimizer's temporaries.
+
+A moment's activations are attributed to the unit that saved them (counted on a FakeTensor forward by
+:class:`UnitActivations`); activations saved outside every unit but the root belong to the root and are counted
+from the first moment to the last unit's backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_fsdp_plus.memory.assumptions import GRADIENT_TEMPORARIES
+from lightning_fsdp_plus.memory.monitor import SavedActivations
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """What one FSDP unit adds to the moments it takes part in (bytes on one rank)."""
+
+    path: str
+    """The unit's module path (``""``: the root)."""
+    gathered: int
+    """Its all-gathered compute copy."""
+    unsharded_grads: int
+    """Its trainable parameters' unsharded gradients (compute dtype) before reduce-scatter."""
+    grad_shards: int
+    """Its gradient shards after reduce-scatter."""
+    reshards: bool
+    """Whether it frees its gathered copy after forward (and gathers it again for backward)."""
+    activations: int
+    """Bytes autograd saves during its forward (its own, not its nested units')."""
+    recompute: int = 0
+    """With activation checkpointing: what its backward recomputes (saved bytes it no longer keeps)."""
+    largest_activation: int = 0
+    """The largest tensor it saves (its gradient and the one beside it are backward's temporaries)."""
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One moment of the step and the live bytes on one rank then."""
+
+    name: str
+    """``forward <unit>``, ``loss``, ``backward <unit>`` or ``optimizer step``."""
+    bytes: int
+    """Live tensor bytes."""
+    parts: dict[str, int]
+    """Those bytes by kind (``stored``, ``optimizer``, ``activations``, ``gathered``, ``grads``, ``transient``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Name, bytes and parts."""
+        return {"name": self.name, "bytes": self.bytes, "parts": dict(self.parts)}
+
+
+def step_timeline(
+    *,
+    units: Sequence[UnitCost],
+    root: UnitCost,
+    stored: int,
+    optimizer: int,
+    loss_transient: int = 0,
+    dequantized: int = 0,
+    optimizer_temporaries: int = 0,
+    prefetch: bool = True,
+    gather_copies: int = 0,
+) -> list[Moment]:
+    """The moments of one step for ``units`` (non-root, in forward order) under ``root`` (see the module docstring).
+
+    ``prefetch``: FSDP2 overlaps the next unit's all-gather (and the last one's reduce-scatter) with the running
+    unit's compute, so both are live at once; without sharding there is nothing to gather ahead.
+    ``gather_copies``: extra copies of a unit's gathered parameters while it is gathered (gloo's all-gather
+    temporary on CPU: 1; NCCL gathers in place: 0). The root is gathered for the whole step: FSDP2 gathers it again
+    at once for backward even when it reshards after forward.
+    """
+    base = {"stored": stored, "optimizer": optimizer}
+    moments: list[Moment] = []
+
+    def add(name: str, **parts: int) -> None:
+        parts = {**base, **{k: v for k, v in parts.items() if v}}
+        moments.append(Moment(name=name, bytes=sum(parts.values()), parts=parts))
+
+    def gathered_after_forward(upto: int) -> int:
+        return sum(u.gathered for u in units[:upto] if not u.reshards)
+
+    root_kept = root.gathered
+    for i, unit in enumerate(units):
+        ahead = units[i + 1].gathered if prefetch and i + 1 < len(units) and units[i + 1].reshards else 0
+        add(f"forward {unit.path}", activations=root.activations + sum(u.activations for u in units[: i + 1]),
+            gathered=root_kept + gathered_after_forward(i) + unit.gathered + ahead,
+            transient=dequantized + gather_copies * unit.gathered)  # fmt: skip
+    everything = root.activations + sum(u.activations for u in units)
+    kept_all = gathered_after_forward(len(units))
+    root_in_backward = root.gathered
+    last = units[-1] if units else root
+    add("loss", activations=everything, gathered=root_kept + kept_all + (last.gathered if last.reshards else 0),
+        transient=loss_transient)  # fmt: skip
+    done_grads = 0
+    for i in range(len(units) - 1, -1, -1):
+        unit = units[i]
+        behind = units[i - 1].gathered if prefetch and i > 0 and units[i - 1].reshards else 0
+        in_flight = units[i + 1].unsharded_grads if prefetch and i + 1 < len(units) else 0
+        kept = sum(u.gathered for u in units[:i] if not u.reshards)
+        add(f"backward {unit.path}", activations=root.activations + sum(u.activations for u in units[: i + 1]),
+            gathered=root_in_backward + kept + unit.gathered + behind,
+            grads=done_grads + unit.unsharded_grads + in_flight,
+            transient=2 * unit.recompute + GRADIENT_TEMPORARIES * unit.largest_activation + dequantized
+            + (gather_copies * unit.gathered if unit.reshards else 0))  # fmt: skip
+        done_grads += unit.grad_shards
+    add("backward <root>", activations=root.activations, gathered=root_in_backward,
+        grads=done_grads + root.unsharded_grads,
+        transient=GRADIENT_TEMPORARIES * root.largest_activation)  # fmt: skip
+    add("optimizer step", grads=done_grads + root.grad_shards, transient=optimizer_temporaries)
+    return moments
+
+
+def peak_moment(moments: Sequence[Moment]) -> Moment:
+    """The moment with the most live bytes (the first of equals)."""
+    return max(moments, key=lambda m: m.bytes)
+
+
+class UnitActivations(SavedActivations):
+    """:class:`SavedActivations` that also tells which unit saved each storage: the innermost of ``units``
+    (module -> key) whose forward is running; storages saved outside all of them go to ``root_key``.
+
+    With ``saved_ops`` it also counts, per checkpointed unit (``checkpointed``: module -> key), the output bytes
+    of those operators (what selective checkpointing keeps).
+    """
+
+    def __init__(
+        self,
+        units: dict[nn.Module, str],
+        *,
+        root_key: str = "",
+        checkpointed: dict[nn.Module, str] | None = None,
+        saved_ops: frozenset[Any] = frozenset(),
+    ) -> None:
+        super().__init__()
+        self._units, self._root_key = units, root_key
+        self._stack: list[str] = []
+        self._owner: dict[int, str] = {}
+        self._largest: dict[str, int] = {}
+        self._checkpointed = checkpointed or {}
+        self._saved_ops = saved_ops
+        self._ops_stack: list[str] = []
+        self.op_outputs: dict[str, int] = {}
+        """Per unit: output bytes of ``saved_ops`` run inside a checkpointed module."""
+        self.order: list[str] = []
+        """Unit keys in the order their forward first ran."""
+        self._handles: list[Any] = []
+        self._mode: Any = None
+
+    def _pack(self, tensor: Tensor) -> Tensor:
+        key = self._stack[-1] if self._stack else self._root_key
+        out = super()._pack(tensor)
+        if not _is_param_like(tensor):
+            storage = tensor.untyped_storage()._cdata
+            self._owner.setdefault(storage, key)
+            size = self._storages.get(storage, 0)
+            owner = self._owner[storage]
+            self._largest[owner] = max(self._largest.get(owner, 0), size)
+        return out
+
+    def _enter(self, key: str) -> None:
+        self._stack.append(key)
+        if key not in self.order:
+            self.order.append(key)
+
+    @staticmethod
+    def _leave(stack: list[str]) -> None:
+        stack.pop()  # a forward hook that returned the key would replace the module's output
+
+    def by_unit(self) -> dict[str, int]:
+        """Saved bytes per unit key."""
+        out: dict[str, int] = {}
+        for storage, size in self._storages.items():
+            key = self._owner.get(storage, self._root_key)
+            out[key] = out.get(key, 0) + size
+        return out
+
+    def largest_by_unit(self) -> dict[str, int]:
+        """The largest saved storage per unit key."""
+        return dict(self._largest)
+
+    def start(self) -> None:
+        """Start counting and tracking which unit runs."""
+        super().start()
+        self._owner.clear()
+        self._largest.clear()
+        self.op_outputs.clear()
+        self.order.clear()
+        for module, key in self._units.items():
+            self._handles += [module.register_forward_pre_hook(lambda *_, k=key: self._enter(k)),
+                              module.register_forward_hook(lambda *_: self._leave(self._stack))]  # fmt: skip
+        if self._saved_ops and self._checkpointed:
+            for module, key in self._checkpointed.items():
+                self._handles += [module.register_forward_pre_hook(lambda *_, k=key: self._ops_stack.append(k)),
+                                  module.register_forward_hook(lambda *_: self._leave(self._ops_stack))]  # fmt: skip
+            self._mode = _OpOutputs(self)
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        """Stop counting; the counts stay."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        super().stop()
+
+
+def _is_param_like(tensor: Tensor) -> bool:
+    base = tensor._base if tensor._base is not None else tensor
+    return isinstance(base, nn.Parameter) or isinstance(tensor, nn.Parameter)
+
+
+class _OpOutputs(TorchDispatchMode):
+    """Adds the output bytes of the counter's ``saved_ops`` to the checkpointed unit running."""
+
+    def __init__(self, counter: UnitActivations) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        counter = self.counter
+        if counter._ops_stack and func in counter._saved_ops and torch.is_grad_enabled():
+            key = counter._stack[-1] if counter._stack else counter._root_key
+            size = sum(t.untyped_storage().nbytes() for t in tree_leaves(out) if isinstance(t, Tensor))
+            counter.op_outputs[key] = counter.op_outputs.get(key, 0) + size
+        return out

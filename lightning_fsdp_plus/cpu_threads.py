@@ -10,7 +10,8 @@ a collective, saw up to 162 GFLOP/s on a core that does 115: its step times were
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -45,3 +46,16 @@ def restore_threads() -> None:
     if _BEFORE:
         torch.set_num_threads(_BEFORE[0])
         _BEFORE.clear()
+
+
+@contextmanager
+def rank_share_of_cores(*, local_ranks: int, cores: int | None = None) -> Iterator[int]:
+    """Run the block with the torch threads one of ``local_ranks`` ranks on this host would get (as the strategy
+    gives them): a one-process probe of a multi-rank run then measures one rank's compute, not the whole host's."""
+    before = torch.get_num_threads()
+    threads = cores_per_rank(local_ranks=local_ranks, cores=cores)
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)

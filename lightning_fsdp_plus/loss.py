@@ -11,8 +11,9 @@ the stored gradients, so the head's weight is not needed again after forward.
 :func:`causal_lm_loss` runs a transformers causal LM this way without touching its code: during one forward the
 output head's ``forward`` computes the loss from the hidden states it is given (inside the head's own call, so
 FSDP2 has gathered its weight), and the model's ``logits`` output is that loss. Models whose logits are changed
-after the head (Gemma's soft-capping, a ``logit_scale``) or whose head is not a ``nn.Linear`` take the model's own
-loss instead. :func:`linear_cross_entropy` is the plain function for your own ``training_step``.
+after the head (Gemma's soft-capping, a ``logit_scale``), whose head is not a ``nn.Linear``, or that are not causal
+LMs (a masked LM's loss is not next-token) take the model's own loss instead. :func:`linear_cross_entropy` is the
+plain function for your own ``training_step``.
 """
 
 from __future__ import annotations
@@ -139,9 +140,24 @@ def next_token_labels(labels: Tensor) -> Tensor:
     return F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """A transformers causal LM (its class, or the class inside a PEFT model, is one of transformers' causal-LM
+    classes): its loss is next-token cross-entropy. A masked LM's head computes another loss."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    return type(base).__name__ in names
+
+
 def output_head(model: nn.Module) -> nn.Linear | None:
-    """The model's output head when the chunked loss can stand in for its loss: a ``nn.Linear`` from
-    ``get_output_embeddings()``, and no logit soft-capping or scaling in its config; else None."""
+    """The model's output head when the chunked loss can stand in for its loss: a transformers causal LM
+    (:func:`is_causal_lm`) whose ``get_output_embeddings()`` is a ``nn.Linear``, with no logit soft-capping or
+    scaling in its config; else None."""
+    if not is_causal_lm(model):
+        return None
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
     if not isinstance(head, nn.Linear):

@@ -91,11 +91,12 @@ class FSDPPlusOptions:
     reshard_after_forward: bool | None = None
     """Free each unit's unsharded parameters after forward; ``None`` follows the sharding strategy."""
     reshard_root_after_forward: bool = False
-    """Where units reshard after forward (FULL_SHARD, HYBRID_SHARD): the root unit too (the LightningModule's own
-    parameters — embeddings, output head, final norm), all-gathered again for backward. ``False`` (FSDP2's default,
-    as with ``ModelParallelStrategy``): kept gathered from forward to backward — one all-gather of the root fewer
-    per step, for its gathered copy held at the end of forward (the plan's ``reshard`` column, the estimator and the
-    auto plan count it). ``True``: memory-lean."""
+    """Where units reshard after forward (FULL_SHARD, HYBRID_SHARD): the root unit too (the parameters no other
+    unit took: with ``auto_wrap_policy="auto"`` the final norm and tied embeddings), all-gathered again for backward.
+    The root's forward spans the whole ``training_step``, loss included, and FSDP2 gathers it again as soon as
+    backward starts, so ``True`` frees it only between the two and lowers no moment of the step's peak (the
+    estimator's timeline shows the same peak either way); it costs one more all-gather. ``False`` (FSDP2's default,
+    as with ``ModelParallelStrategy``) keeps it."""
     compile: Any = False
     """``torch.compile`` each FSDP unit's block (torchtitan's way: after LoRA, quantization and activation
     checkpointing, before ``fully_shard``; one compilation shared by all blocks): ``False``, ``True`` (torch's

@@ -326,8 +326,9 @@ class ShardingPlan:
         if self.edge_units:
             body.append(f"embeddings and output head in units of their own: {', '.join(self.edge_units)}")
         if self.activation_checkpointing:
-            selective = " (selective: matmul and attention outputs kept)" if self.checkpointing_mode == "selective" \
-                else ""
+            selective = (
+                " (selective: matmul and attention outputs kept)" if self.checkpointing_mode == "selective" else ""
+            )
             body.append(f"activation checkpointing{selective}: {', '.join(self.activation_checkpointing)}")
         if self.compile is not None:
             body.append(f"compiled ({self.compile.describe()}, each unit's forward):"

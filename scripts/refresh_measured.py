@@ -5,6 +5,8 @@
     python scripts/refresh_measured.py benchmark    # python -m benchmarks.run: the performance tables (~30 min)
     python scripts/refresh_measured.py loading      # python -m benchmarks.loading: the loading tables (~10 min)
     python scripts/refresh_measured.py autoplan     # python -m benchmarks.autoplan: predicted vs measured (~4 min)
+    python scripts/refresh_measured.py published    # python -m benchmarks.published: ours vs published runs (~5 min)
+    python scripts/refresh_measured.py vocab        # python -m benchmarks.vocab_memory: 128k/152k runs (~40 min)
     python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.md
 
 Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in its page of
@@ -121,6 +123,8 @@ TARGETS: dict[str, tuple[str, list[str], Callable[..., str]]] = {
     "benchmark": ("measured/performance.md", ["-m", "benchmarks.run"], benchmark_block),
     "loading": ("measured/loading.md", ["-m", "benchmarks.loading"], benchmark_block),
     "autoplan": ("measured/autoplan.md", ["-m", "benchmarks.autoplan"], benchmark_block),
+    "published": ("measured/published.md", ["-m", "benchmarks.published"], benchmark_block),
+    "vocab": ("measured/vocab.md", ["-m", "benchmarks.vocab_memory"], benchmark_block),
 }
 """Each block's page in ``docs/``, what it runs (arguments to ``python``) and how its output becomes the block."""
 

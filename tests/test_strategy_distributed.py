@@ -131,8 +131,11 @@ def test_llama_plan_autodetects_decoder_layers_and_trains(strategy_runs):
     assert units == [
         ("model.model.layers.0", "LlamaDecoderLayer"),
         ("model.model.layers.1", "LlamaDecoderLayer"),
+        ("model.model.embed_tokens", "Embedding"),  # the embeddings and the head: units of their own
+        ("model.lm_head", "Linear"),
         ("<root>", "CausalLMModule"),
     ]
+    assert result.rank0["plan"]["edge_units"] == ["model.model.embed_tokens", "model.lm_head"]
     assert "model.model.layers.1  LlamaDecoderLayer" in output  # the table printed on rank 0
     assert output.count("Sharding plan: FULL_SHARD") == sum(
         1 for line in output.splitlines() if line.startswith("Sharding plan: FULL_SHARD")

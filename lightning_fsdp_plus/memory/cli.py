@@ -52,6 +52,30 @@ _COLUMNS = (
     ("peak_with_transient_bytes_per_rank", "peak"),
     ("real_peak_bytes_per_rank", "real peak"),
 )
+_NEEDS_ACTIVATIONS = ("activation_bytes_per_rank", "largest_unit_transient_bytes", "peak_with_transient_bytes_per_rank",
+                      "real_peak_bytes_per_rank")  # fmt: skip
+"""Columns a model known only by its size has no figure for (no activations, no units)."""
+
+
+def short_moment(moment: str | None) -> str:
+    """``backward layers.31`` for ``backward model.base_model.model.model.layers.31`` (the unit's last name, with
+    its parent's for numbered blocks); ``-`` for None."""
+    if moment is None:
+        return "-"
+    phase, _, path = moment.partition(" ")
+    parts = path.split(".")
+    tail = ".".join(parts[-2:]) if parts and parts[-1].isdigit() else parts[-1]
+    return f"{phase} {tail}".strip()
+
+
+def notes_for(estimates: Sequence[MemoryEstimate]) -> list[str]:
+    """What a reader of the table must know about these rows."""
+    notes = []
+    if any(e.sharding_strategy == "NO_SHARD" and e.world_size == 1 for e in estimates):
+        notes.append("NO_SHARD at world size 1: FSDP2 still keeps an unsharded copy of every parameter beside its"
+                     " (whole) shard (checked: the two storages differ), so parameters count twice; at one rank"
+                     " FULL_SHARD gathers one unit at a time and holds the least")  # fmt: skip
+    return notes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,6 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="checkpoint every unit but the root (needs --config)"
     )
+    parser.add_argument("--checkpointing-mode", choices=["full", "selective"], default="full",
+                        help=docs.get("activation_checkpointing_mode"))  # fmt: skip
+    parser.add_argument("--unchunked-loss", action="store_true",
+                        help="count the model's own loss (the batch's float32 logits) instead of the app's chunked"
+                        " one (CausalLMModule(chunked_loss=False), model.chunked_loss=false)")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=1, help="per-rank batch for the activation estimate")
     parser.add_argument("--seq-len", type=int, default=2048, help="sequence length for the activation estimate")
     parser.add_argument(
@@ -115,13 +144,20 @@ def format_table(model: ModelDescription, estimates: Sequence[MemoryEstimate], *
     def _gb(value: int | None) -> str:
         return "n/a" if value is None else f"{value / scale:.3f}"
 
-    rows = [["strategy", "world", "shard", *(title for _, title in _COLUMNS)]]
+    size_only = all(e.activation_bytes_per_rank is None for e in estimates)
+    columns = [(k, t) for k, t in _COLUMNS if not (size_only and k in _NEEDS_ACTIVATIONS)]
+    rows = [["strategy", "world", "shard", *(title for _, title in columns)]]
+    moments = not size_only and any(e.peak_moment for e in estimates)
+    if moments:
+        rows[0].append("peak at")
     simulated = any(e.simulated for e in estimates)
     if simulated:
         rows[0].append("simulated peak")
     for e in estimates:
         figures = e.to_dict()
-        row = [e.sharding_strategy, str(e.world_size), str(e.shard_size), *(_gb(figures[k]) for k, _ in _COLUMNS)]
+        row = [e.sharding_strategy, str(e.world_size), str(e.shard_size), *(_gb(figures[k]) for k, _ in columns)]
+        if moments:
+            row.append(short_moment(e.peak_moment))
         if simulated:
             row.append(_gb(e.simulated["total"]) if e.simulated else "n/a")
         rows.append(row)
@@ -129,7 +165,9 @@ def format_table(model: ModelDescription, estimates: Sequence[MemoryEstimate], *
     lines = [header, f"{unit} per rank (1 {unit} = {scale:.0e} bytes)"]
     for row in rows:
         cells = zip(row, widths, strict=True)
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(cells)))
+        lines.append("  ".join(c.ljust(w) if i == 0 or (c[:1].isalpha() and c != "n/a") else c.rjust(w)
+                               for i, (c, w) in enumerate(cells)).rstrip())  # fmt: skip
+    lines += [f"note: {note}" for note in notes_for(estimates)]
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +179,7 @@ def _documents(model: ModelDescription, estimates: list[MemoryEstimate], inputs:
             "inputs": inputs,
             "model": model.to_dict(),
             "strategies": {e.sharding_strategy: e.to_dict() for e in estimates if e.world_size == size},
+            "notes": notes_for([e for e in estimates if e.world_size == size]),
         }
         for size in sizes
     ]
@@ -155,21 +194,27 @@ def _lora(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
-    """The ``--hardware`` preset, or this machine's compute probed (one process: no link to measure)."""
+    """The ``--hardware`` preset, or this machine's compute probed (one process: no link to measure) with one
+    rank's share of the cores (the world size's ranks share this host, as the strategy's ``share_cores`` makes
+    them: probing with every core predicted 2.76 s for a 5.67 s step at 135M on 2 ranks)."""
     if args.hardware in PRESETS:
         hardware = PRESETS[args.hardware]
     else:
         import torch
 
         from lightning_fsdp_plus.autoplan.probe import hardware_from, measure
+        from lightning_fsdp_plus.cpu_threads import rank_share_of_cores
 
         config = load_config(args.config)
-        timings = measure(features=(config.hidden_size, getattr(config, "intermediate_size", 4 * config.hidden_size)),
-                          tokens=args.batch_size * args.seq_len, precision=args.precision, device=torch.device("cpu"),
-                          quantize=[q for q in args.allow_quantize if q])  # fmt: skip
+        with rank_share_of_cores(local_ranks=args.world_size[0]) as threads:
+            timings = measure(features=(config.hidden_size, getattr(config, "intermediate_size",
+                                                                    4 * config.hidden_size)),
+                              tokens=args.batch_size * args.seq_len, precision=args.precision,
+                              device=torch.device("cpu"), quantize=[q for q in args.allow_quantize if q])  # fmt: skip
         hardware = dataclasses.replace(hardware_from([timings], world_size=1, accelerator=False),
                                        link_bandwidth=CPU_LINK_BANDWIDTH, link_latency=CPU_LINK_LATENCY,
-                                       source="this CPU probed; gloo loopback link assumed")  # fmt: skip
+                                       source=f"this CPU probed with {threads} thread(s), one rank's share of the"
+                                       " cores; gloo loopback link assumed")  # fmt: skip
     return hardware.with_link_bandwidth(args.link_bandwidth)
 
 
@@ -242,23 +287,29 @@ def run(argv: Sequence[str] | None = None) -> str:
                if args.quantize_base in ("nf4", "fp4") else {}),
             activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
             seq_len=args.seq_len, simulate=args.simulate, platform=_platform(args),
+            activation_checkpointing_mode=args.checkpointing_mode, chunked_loss=not args.unchunked_loss,
         )  # fmt: skip
     except (EstimateError, ValueError) as err:
         parser.error(str(err))
     if args.json:
         return json.dumps(_documents(model, estimates, inputs), indent=1) + "\n"
     header = (
-        f"{model.source}: {model.total_params:,} parameters, {model.trainable_params:,} trainable;"
+        f"{model.source}: {model.total_weights:,} parameters, {model.trainable_params:,} trainable;"
         f" {args.precision}, {args.optimizer}"
         + (f", LoRA r={args.lora_rank}" if lora else "")
         + (f", {args.quantize_base} base" if args.quantize_base else "")
         + (", frozen base replicated" if args.lora_only else "")
         + (", CPU offload" if args.cpu_offload else "")
         + (", root resharded after forward" if args.reshard_root_after_forward else "")
-        + (", activation checkpointing" if args.activation_checkpointing else "")
+        + (f", {args.checkpointing_mode} activation checkpointing" if args.activation_checkpointing else "")
+        + (", the model's own (unchunked) loss" if args.config and args.unchunked_loss else "")
         + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
         + (", padded" if args.config and args.padded else "")
-        + f"; real peak on {_platform(args).name}"
+        + (
+            f"; real peak on {_platform(args).name}"
+            if args.config
+            else "; model state only: the peak needs --config (activations and units)"
+        )
     )
     return format_table(model, estimates, header=header)
 

@@ -103,6 +103,12 @@ class ModelDescription:
         return sum(p.numel for p in self._all())
 
     @property
+    def total_weights(self) -> int:
+        """The model's parameter count as its card gives it: float elements and quantized weights (two per packed
+        4-bit byte), without quantization scales and block statistics."""
+        return sum(weight_elements(p) for p in self._all())
+
+    @property
     def trainable_params(self) -> int:
         """Elements that train."""
         return sum(p.numel for p in self._all() if p.trainable)
@@ -113,6 +119,7 @@ class ModelDescription:
         return {
             "source": self.source,
             "total_params": self.total_params,
+            "total_weights": self.total_weights,
             "trainable_params": self.trainable_params,
             "num_units": len(self.units) if self.units_known else None,
             "largest_unit_params": largest,
@@ -318,8 +325,11 @@ def estimate_strategy(
                 model.unit_paths, model.units, regathered, model.unit_activations, model.unit_recompute,
                 model.unit_largest, strict=True)
         ]  # fmt: skip
+        ordered = [costs[i] for i in model.forward_order]
+        if ordered and not any(p.trainable for p in model.units[model.forward_order[0]]):
+            ordered[0] = replace(ordered[0], in_backward=False)  # a frozen first unit: nothing flows back to it
         timeline = {
-            "units": [costs[i] for i in model.forward_order], "root": costs[-1], "stored": stored, "optimizer": opt,
+            "units": ordered, "root": costs[-1], "stored": stored, "optimizer": opt,
             "loss_transient": model.loss_transient_bytes, "dequantized": dequantized_weight_bytes(
                 model, compute_bytes=pb.compute), "optimizer_temporaries": temporaries, "prefetch": shard > 1,
         }  # fmt: skip
@@ -498,7 +508,7 @@ def describe_config_variants(
         def laid_out(d: ModelDescription, saved: dict[str, int], recompute: dict[str, int]) -> ModelDescription:
             own = set(d.unit_paths)
             folded = {p: v for p, v in saved.items() if p in own}
-            folded[""] = sum(v for p, v in saved.items() if p not in own)  # saved outside its units: the root's
+            folded[""] = saved.get("", 0) + sum(v for p, v in saved.items() if p not in own)  # outside: the root's
             return replace(
                 d, unit_activations=tuple(folded.get(p, 0) for p in d.unit_paths),
                 unit_recompute=tuple(recompute.get(p, 0) for p in d.unit_paths),

@@ -56,6 +56,9 @@ class UnitCost:
     """With activation checkpointing: what its backward recomputes (saved bytes it no longer keeps)."""
     largest_activation: int = 0
     """The largest tensor it saves (its gradient and the one beside it are backward's temporaries)."""
+    in_backward: bool = True
+    """Whether backward reaches it: not the first unit when it trains nothing (the input embeddings of a LoRA run:
+    its output needs no gradient, so FSDP2 never gathers it for backward)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,11 @@ def step_timeline(
     done_grads = 0
     for i in range(len(units) - 1, -1, -1):
         unit = units[i]
-        behind = units[i - 1].gathered if prefetch and i > 0 and units[i - 1].reshards else 0
+        if not unit.in_backward:
+            continue
+        behind = (
+            units[i - 1].gathered if prefetch and i > 0 and units[i - 1].reshards and units[i - 1].in_backward else 0
+        )
         in_flight = units[i + 1].unsharded_grads if prefetch and i + 1 < len(units) else 0
         kept = sum(u.gathered for u in units[:i] if not u.reshards)
         add(f"backward {unit.path}", activations=root.activations + sum(u.activations for u in units[: i + 1]),
@@ -211,7 +218,8 @@ class UnitActivations(SavedActivations):
         self.op_outputs.clear()
         self.order.clear()
         for module, key in self._units.items():
-            self._handles += [module.register_forward_pre_hook(lambda *_, k=key: self._enter(k)),
+            # first in: a checkpointed module's own pre-hook saves its inputs, and they are this unit's
+            self._handles += [module.register_forward_pre_hook(lambda *_, k=key: self._enter(k), prepend=True),
                               module.register_forward_hook(lambda *_: self._leave(self._stack))]  # fmt: skip
         if self._saved_ops and self._checkpointed:
             for module, key in self._checkpointed.items():

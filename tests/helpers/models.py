@@ -9,6 +9,8 @@ from lightning.pytorch import LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from lightning_fsdp_plus.loss import causal_lm_loss
+
 VOCAB, DIM, HEADS, SEQ = 61, 32, 4, 12
 
 
@@ -310,7 +312,9 @@ def _train_on_global_batch(model, *, steps: int, lr: float, world_size: int, bat
     batch = torch.cat([data[r::world_size][:batch_size] for r in range(world_size)])
     losses = []
     for _ in range(steps):
-        loss = torch.stack([model(input_ids=b, labels=b).loss for b in batch.chunk(world_size)]).mean()
+        # the loss as CausalLMModule computes it (chunked for causal LMs, the model's own otherwise)
+        loss = torch.stack([causal_lm_loss(model, {"input_ids": b, "labels": b}) for b in batch.chunk(world_size)])
+        loss = loss.mean()
         opt.zero_grad()
         loss.backward()
         opt.step()

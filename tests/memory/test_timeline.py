@@ -1,0 +1,103 @@
+"""The step as a timeline of moments: which moment peaks, what is live then, and the per-unit counts behind it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fsdp_plus.loss import causal_lm_loss
+from lightning_fsdp_plus.memory.estimate import estimate_memory
+from lightning_fsdp_plus.memory.monitor import SavedActivations
+from lightning_fsdp_plus.memory.timeline import UnitActivations, UnitCost, peak_moment, step_timeline
+from tests.helpers.models import tiny_llama
+
+
+def _units(reshards: bool) -> list[UnitCost]:
+    return [UnitCost(path=f"b{i}", gathered=100, unsharded_grads=10, grad_shards=5, reshards=reshards,
+                     activations=1000, largest_activation=50) for i in range(3)]  # fmt: skip
+
+
+def test_moments_follow_the_step_and_the_peak_is_the_largest_one():
+    root = UnitCost(path="", gathered=7, unsharded_grads=0, grad_shards=0, reshards=False, activations=0)
+    moments = step_timeline(units=_units(True), root=root, stored=300, optimizer=30, optimizer_temporaries=15)
+    names = [m.name for m in moments]
+    assert names == ["forward b0", "forward b1", "forward b2", "loss", "backward b2", "backward b1", "backward b0",
+                     "backward <root>", "optimizer step"]  # fmt: skip
+    assert peak_moment(moments).bytes == max(m.bytes for m in moments)
+    by_name = {m.name: m for m in moments}
+    # backward b2: every activation still alive, b2 gathered again, b1 prefetched, b2's gradients, 2 x its largest
+    assert by_name["backward b2"].parts == {"stored": 300, "optimizer": 30, "activations": 3000, "gathered": 207,
+                                            "grads": 10, "transient": 100}  # fmt: skip
+    assert peak_moment(moments).name == "backward b2"
+    # b2's activations are freed once its backward ran; its gradient shard stays
+    assert by_name["backward b1"].parts["activations"] == 2000 and by_name["backward b1"].parts["grads"] == 5 + 10 + 10
+    assert by_name["optimizer step"].parts == {"stored": 300, "optimizer": 30, "grads": 15, "transient": 15}
+
+
+def test_units_kept_gathered_add_up_in_forward_and_gloo_copies_count_while_gathering():
+    root = UnitCost(path="", gathered=0, unsharded_grads=0, grad_shards=0, reshards=False, activations=0)
+    kept = {m.name: m for m in step_timeline(units=_units(False), root=root, stored=0, optimizer=0)}
+    assert kept["loss"].parts["gathered"] == 300  # SHARD_GRAD_OP: every unit's copy from its forward to backward
+    copies = {m.name: m for m in step_timeline(units=_units(True), root=root, stored=0, optimizer=0, gather_copies=1)}
+    assert copies["forward b1"].parts["transient"] == 100  # gloo's temporary of the unit being gathered
+
+
+def test_a_frozen_first_unit_is_not_gathered_for_backward():
+    root = UnitCost(path="", gathered=0, unsharded_grads=0, grad_shards=0, reshards=False, activations=0)
+    units = [UnitCost(path="embed", gathered=500, unsharded_grads=0, grad_shards=0, reshards=True, activations=0,
+                      in_backward=False), *_units(True)]  # fmt: skip
+    names = [m.name for m in step_timeline(units=units, root=root, stored=0, optimizer=0)]
+    assert "forward embed" in names and "backward embed" not in names
+
+
+def test_unit_counts_add_up_to_the_whole_forward_and_leave_outputs_alone():
+    model = tiny_llama(layers=3)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16))
+    layers = {model.model.layers[i]: f"model.layers.{i}" for i in range(3)}
+    with SavedActivations() as whole:
+        expected = causal_lm_loss(model, {"input_ids": ids})
+    with UnitActivations(layers) as counter:
+        loss = causal_lm_loss(model, {"input_ids": ids})
+    assert torch.equal(loss, expected)  # the counting hooks change nothing
+    per_unit = counter.by_unit()
+    assert sum(per_unit.values()) == whole.bytes
+    assert sum(per_unit.values()) == counter.bytes and per_unit[""] > 0  # the root's share: the loss's
+    assert per_unit["model.layers.1"] == per_unit["model.layers.2"] > 0  # identical blocks save the same
+    assert per_unit["model.layers.0"] >= per_unit["model.layers.1"]
+    assert counter.order == ["model.layers.0", "model.layers.1", "model.layers.2"]
+
+
+@pytest.fixture(scope="module")
+def llama3_shaped(tmp_path_factory):
+    """A Llama-3-shaped config: 128,256-token vocabulary, untied, GQA (small hidden size: quick on FakeTensors)."""
+    from transformers import LlamaConfig
+
+    path = tmp_path_factory.mktemp("llama3")
+    config = LlamaConfig(vocab_size=128256, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)  # fmt: skip
+    config.save_pretrained(path)
+    return path
+
+
+def test_at_a_128k_vocabulary_the_chunked_loss_drops_the_float32_logits_from_the_estimate(llama3_shaped):
+    common = {"config": llama3_shaped, "world_size": 2, "strategy": "full_shard", "precision": "bf16-mixed",
+              "batch_size": 8, "seq_len": 128, "lora": {"r": 16, "target_modules": ["q_proj", "v_proj"]}}  # fmt: skip
+    plain_model, (plain,) = estimate_memory(**common, chunked_loss=False)
+    chunked_model, (chunked,) = estimate_memory(**common)
+    logits = 8 * 128 * 128256 * 4
+    assert plain_model.activation_bytes - chunked_model.activation_bytes >= logits * 0.99
+    assert plain.peak_with_transient_bytes_per_rank - chunked.peak_with_transient_bytes_per_rank >= logits
+    # the embeddings and the head are units of their own: the root holds only the final norm
+    assert chunked_model.unit_paths[-1] == "" and sum(p.numel for p in chunked_model.units[-1]) == 256
+    assert chunked.peak_moment is not None and chunked.timeline
+
+
+def test_selective_checkpointing_keeps_more_than_full_and_less_than_none(llama3_shaped):
+    common = {"config": llama3_shaped, "world_size": 2, "strategy": "full_shard", "precision": "bf16-mixed",
+              "batch_size": 4, "seq_len": 64}  # fmt: skip
+    none, _ = estimate_memory(**common)
+    full, _ = estimate_memory(**common, activation_checkpointing=True)
+    selective, _ = estimate_memory(**common, activation_checkpointing=True, activation_checkpointing_mode="selective")
+    assert full.activation_bytes < selective.activation_bytes < none.activation_bytes
+    blocks = [i for i, p in enumerate(selective.unit_paths) if ".layers." in p]
+    assert all(0 < selective.unit_recompute[i] < full.unit_recompute[i] for i in blocks)

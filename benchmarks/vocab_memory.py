@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,8 @@ def build_model(name: str, directory: Path) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     model.save_pretrained(target, safe_serialization=True, max_shard_size="100MB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the shipped byte-level tokenizer: ids < 512 <= vocab
+        shutil.copy(TINY / name, target / name)
     return target
 
 
@@ -75,7 +78,7 @@ def run_app(*, model_dir: Path, run: str, layout: str, checkpointing: bool, out:
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
     overrides = [
         "experiment=medical_lora", f"model.name_or_path={model_dir}", "model.torch_dtype=bfloat16",
-        *RUNS[run], "precision=bf16_mixed", f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+        *RUNS[run], "precision=bf16_mixed", f"trainer.max_steps={steps}", "trainer.limit_val_batches=1",
         "trainer.log_every_n_steps=1", "generate.num_prompts=0", f"hydra.run.dir={out}",
         "+callbacks.phases._target_=benchmarks.memory_phases.PhaseMemory", f"+callbacks.phases.out={out}",
         "+callbacks.trace._target_=benchmarks.memory_trace.AllocationTrace", f"+callbacks.trace.out={out}",

@@ -115,8 +115,9 @@ def resolve_module_classes(
 ) -> set[type[nn.Module]]:
     """Resolve classes and class names against the classes present in ``model``.
 
-    A name matches a class's ``__name__`` or its ``module.qualname``. Unknown names raise a ValueError
-    that lists the candidate classes found in the model.
+    A name matches a class's ``__name__`` or its ``module.qualname``, or those of a class it derives from (a unit
+    FSDP2 already sharded is an ``FSDP<Name>`` subclass: a fit after validate plans again). Unknown names raise a
+    ValueError that lists the candidate classes found in the model.
     """
     present = {type(m) for m in model.modules()}
     resolved: set[type[nn.Module]] = set()
@@ -124,7 +125,9 @@ def resolve_module_classes(
         if isinstance(item, type):
             resolved.add(item)
             continue
-        matches = {c for c in present if item in (c.__name__, f"{c.__module__}.{c.__qualname__}")}
+        # through the MRO: after a first setup FSDP2 has swapped each unit's class for its ``FSDP<Name>`` subclass
+        matches = {c for c in present
+                   if any(item in (k.__name__, f"{k.__module__}.{k.__qualname__}") for k in c.__mro__)}  # fmt: skip
         if not matches:
             candidates = ", ".join(sorted({c.__name__ for c in present}))
             raise ValueError(f"{key}: module class {item!r} is not in the model; candidates: {candidates}")

@@ -74,3 +74,23 @@ def test_none_means_root_only():
 def test_invalid_policies(policy, message):
     with pytest.raises(ValueError, match=message):
         validate_wrap_policy(policy)
+
+
+def test_class_names_still_resolve_once_fsdp2_swapped_the_classes():
+    """A fit after validate plans the sharded model again: each unit is then FSDP2's ``FSDP<Name>`` subclass, and a
+    policy naming ``Name`` must still find it (it failed with 'module class ... is not in the model')."""
+    from torch import nn
+
+    from lightning_fsdp_plus.policies import select_unit_paths
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+    class FSDPBlock(Block):  # what fully_shard makes of a Block instance's class
+        pass
+
+    model = nn.Sequential(Block(), Block())
+    model[0].__class__ = FSDPBlock
+    assert select_unit_paths(model, ["Block"]) == ["0", "1"]

@@ -144,7 +144,7 @@ def auto(**kwargs) -> FSDPPlusStrategy:
          r"model.base_model.model.model.layers.0.self_attn.q_proj.base_layer has in_features=32, not a multiple of "
          r"quantize_blocksize=64: its 4-bit blocks would straddle rows"),
         (lambda: auto(memory_budget="64KiB", lora={"r": 4}), lambda: CausalLMModule(tiny_llama(0)),
-         r"memory_budget=64KiB leaves 57.6 KiB per device after memory_margin=0.1, and none of the 10 candidates fits"
+         r"memory_budget=64KiB leaves 57.6 KiB per device after memory_margin=0.1, and none of the 15 candidates fits"
          r" at 2 rank\(s\), batch 2 x 16 tokens. Closest: [A-Z_]+( \+ [a-z_]+)* needs [0-9.]+ KiB per rank,"
          r" .* \([0-9,]+ bytes\) more than the budget allows"),
         (lambda: auto(), lambda: TinyLM(),
@@ -169,7 +169,8 @@ def test_auto_plan_memory_is_predicted_in_fit_before_the_launch(monkeypatch):
     trainer.strategy._lightning_module = CausalLMModule(tiny_llama(0))
     plan = strategy.auto_plan
     assert plan is not None and plan.world_size == 2 and plan.chosen is None and plan.fitting
-    assert len(plan.predictions) == 10 and plan.budget == 2**30  # 3 layouts, lora_only on 2 of them, checkpointing
+    # 3 layouts, lora_only on 2 of them; no, full and selective checkpointing
+    assert len(plan.predictions) == 15 and plan.budget == 2**30
     assert repr(strategy) == "FSDPPlusStrategy(sharding_strategy=auto)"
 
 

@@ -3,9 +3,9 @@
 Sharding strategy (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``NO_SHARD``, and ``HYBRID_SHARD`` at every shard-group size
 that divides the world, other than 1 and the world itself, which equal ``NO_SHARD``-like replication and
 ``FULL_SHARD``), ``lora_only`` on and off for LoRA runs (not with ``NO_SHARD``, where nothing is sharded anyway),
-activation checkpointing off and per unit, CPU offload on accelerators, and quantization of the frozen base only
-for the kinds the user allowed (``allow_quantize``: it changes numerics). Each candidate keeps its root unit gathered
-from forward to backward (faster); one that reshards its units and does not fit so is considered with its root
+activation checkpointing off, full and selective per unit, CPU offload on accelerators, and quantization of the frozen
+base only for the kinds the user allowed (``allow_quantize``: it changes numerics). Each candidate keeps its root unit
+gathered from forward to backward (faster); one that reshards its units and does not fit so is considered with its root
 resharded too (``reshard_root``: see :func:`~lightning_fsdp_plus.autoplan.choose.predict_memory`).
 """
 
@@ -30,6 +30,9 @@ class Candidate:
     """The frozen base replicated, only the trainable parameters sharded."""
     activation_checkpointing: bool = False
     """Every unit but the root recomputed in backward."""
+    checkpointing_mode: str = "full"
+    """With checkpointing: ``full`` (each unit's forward recomputed) or ``selective`` (matmul and attention outputs
+    kept, the rest recomputed: less memory saved, no matmul recomputed)."""
     cpu_offload: bool = False
     """Sharded state in host memory (accelerators only)."""
     quantize_base: str | None = None
@@ -49,7 +52,8 @@ class Candidate:
         """One line: ``FULL_SHARD + lora_only + checkpointing + int8``."""
         parts = [self.strategy_name]
         parts += ["lora_only"] if self.lora_only else []
-        parts += ["checkpointing"] if self.activation_checkpointing else []
+        if self.activation_checkpointing:
+            parts.append("selective checkpointing" if self.checkpointing_mode == "selective" else "checkpointing")
         parts += ["cpu_offload"] if self.cpu_offload else []
         parts += [self.quantize_base] if self.quantize_base else []
         parts += ["root resharded"] if self.reshard_root else []
@@ -64,6 +68,7 @@ class Candidate:
             hybrid_shard_size=self.hybrid_shard_size,
             lora_only=self.lora_only,
             activation_checkpointing=checkpointing if self.activation_checkpointing else None,
+            activation_checkpointing_mode=self.checkpointing_mode,
             cpu_offload=self.cpu_offload,
             quantize_base=self.quantize_base,
             reshard_root_after_forward=self.reshard_root,
@@ -76,6 +81,7 @@ class Candidate:
             "hybrid_shard_size": self.hybrid_shard_size,
             "lora_only": self.lora_only,
             "activation_checkpointing": self.activation_checkpointing,
+            "activation_checkpointing_mode": self.checkpointing_mode,
             "cpu_offload": self.cpu_offload,
             "quantize_base": self.quantize_base,
             "reshard_root_after_forward": self.reshard_root,
@@ -104,7 +110,7 @@ def enumerate_candidates(
         modes = (False, True) if lora_run and strategy is not ShardingStrategy.NO_SHARD else (False,)
         for kind in quantize:
             for lora_only in modes:
-                for checkpointing in (False, True):
+                for checkpointing, mode in ((False, "full"), (True, "full"), (True, "selective")):
                     for offload in (False, True) if accelerator else (False,):
-                        out.append(Candidate(strategy, size, lora_only, checkpointing, offload, kind))
+                        out.append(Candidate(strategy, size, lora_only, checkpointing, mode, offload, kind))
     return out

@@ -225,31 +225,39 @@ def predict_memory(
 
     candidates = enumerate_candidates(world_size=world_size, lora_run=lora_run, quantize=quantize,
                                       accelerator=accelerator)  # fmt: skip
-    described: dict[tuple[str | None, bool, bool], ModelDescription] = {}
+    described: dict[tuple[str | None, bool, str | None], ModelDescription] = {}
     excluded = []
+    modes = (False, True) if lora_run else (False,)
     for kind in quantize:
         try:
             variants = describe_config_variants(
-                config, precision=precision, options=options.replace(quantize_base=kind), batch=batch,
-                lora_only=(False, True) if lora_run else (False,), checkpointing=(False, True),
+                config, precision=precision, batch=batch, lora_only=modes, checkpointing=(False, True),
+                options=options.replace(quantize_base=kind, activation_checkpointing_mode="full"),
+            )  # fmt: skip
+            selective = describe_config_variants(
+                config, precision=precision, batch=batch, lora_only=modes, checkpointing=(True,),
+                options=options.replace(quantize_base=kind, activation_checkpointing_mode="selective"),
             )  # fmt: skip
         except EstimateError as err:
             if kind is None or len(quantize) == 1:  # the model itself cannot be prepared: nothing to choose from
                 raise
             excluded.append((kind, str(err)))
             continue
-        described |= {(kind, *key): value for key, value in variants.items()}
+        described |= {(kind, lo, "full" if ck else None): value for (lo, ck), value in variants.items()}
+        described |= {(kind, lo, "selective"): value for (lo, _), value in selective.items()}
+
+    def key(c: Candidate) -> tuple[str | None, bool, str | None]:
+        return c.quantize_base, c.lora_only, c.checkpointing_mode if c.activation_checkpointing else None
 
     def predict(c: Candidate) -> Prediction:
-        model = described[c.quantize_base, c.lora_only, c.activation_checkpointing]
+        model = described[key(c)]
         memory = estimate_strategy(model, sharding_strategy=c.sharding_strategy, world_size=world_size,
                                    precision=precision, optimizer=optimizer, hybrid_shard_size=c.hybrid_shard_size,
                                    cpu_offload=c.cpu_offload and accelerator, reshard_root=c.reshard_root,
                                    platform=platform)  # fmt: skip
         return Prediction(candidate=c, memory=memory, model=model)
 
-    predictions = [predict(c) for c in candidates if (c.quantize_base, c.lora_only, c.activation_checkpointing)
-                   in described]  # fmt: skip
+    predictions = [predict(c) for c in candidates if key(c) in described]
     plan = AutoPlan(predictions=tuple(predictions), budget=budget, margin=margin, world_size=world_size, batch=batch,
                     precision=precision, source=config_source(config), budget_text=budget_text,
                     excluded=tuple(excluded), platform=platform.name)  # fmt: skip

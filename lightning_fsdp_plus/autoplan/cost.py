@@ -187,16 +187,22 @@ def predict_step_time(
     forward = 2 * tokens * (float_w / hardware.matmul_flops + quant_w / quant_rate)
     backward = forward + 2 * tokens * trainable / hardware.matmul_flops
     recompute = 0.0
-    if candidate.activation_checkpointing and model.units:
+    selective = getattr(candidate, "checkpointing_mode", "full") == "selective"
+    if candidate.activation_checkpointing and model.units and not selective:  # selective keeps the matmuls' outputs
         in_units = sum(weight_elements(p) for unit in model.units for p in unit)
-        in_root = sum(weight_elements(p) for p in model.units[-1])
-        recompute = forward * (1 - in_root / in_units) if in_units else 0.0
+        if model.unit_recompute:  # the checkpointed units: those whose backward recomputes something
+            checkpointed = sum(weight_elements(p) for unit, again in zip(model.units, model.unit_recompute,
+                                                                         strict=True) if again for p in unit)
+        else:
+            checkpointed = in_units - sum(weight_elements(p) for p in model.units[-1])
+        recompute = forward * checkpointed / in_units if in_units else 0.0
     compute = forward + backward + recompute
     if hardware.memory_bandwidth and model.activation_bytes:
         # the forward's elementwise work over every activation, again for what checkpointed units recompute
         # (a step's elementwise work is about one part forward to two parts backward: recomputing adds a third)
-        touched = model.activation_bytes + (4 / 3 * model.recompute_bytes * (len(model.units) - 1)
-                                            if candidate.activation_checkpointing else 0)  # fmt: skip
+        recomputed = sum(model.unit_recompute) if model.unit_recompute else model.recompute_bytes * (
+            len(model.units) - 1)  # fmt: skip
+        touched = model.activation_bytes + (4 / 3 * recomputed if candidate.activation_checkpointing else 0)
         compute += ELEMENTWISE_PASSES * touched / hardware.memory_bandwidth
 
     def collective(kind: str, nbytes: float, ranks: int) -> float:

@@ -15,14 +15,20 @@ def test_hybrid_sizes_are_the_proper_divisors_of_the_world():
 
 def test_full_fine_tune_on_cpu_has_strategies_times_checkpointing():
     candidates = enumerate_candidates(world_size=2, lora_run=False)
-    assert len(candidates) == 3 * 2 and not any(c.lora_only or c.cpu_offload or c.quantize_base for c in candidates)
-    assert [c.strategy_name for c in candidates[::2]] == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    assert len(candidates) == 3 * 3 and not any(c.lora_only or c.cpu_offload or c.quantize_base for c in candidates)
+    assert [c.strategy_name for c in candidates[::3]] == ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+    # off, full and selective checkpointing for each
+    assert [(c.activation_checkpointing, c.checkpointing_mode) for c in candidates[:3]] == [
+        (False, "full"), (True, "full"), (True, "selective")]
+    assert candidates[2].label == "FULL_SHARD + selective checkpointing"
+    assert candidates[2].options(FSDPPlusOptions()).activation_checkpointing_mode == "selective"
 
 
 def test_lora_on_eight_gpus_with_quantization_allowed():
     candidates = enumerate_candidates(world_size=8, lora_run=True, quantize=(None, "int8", "nf4"), accelerator=True)
-    # FULL, SHARD_GRAD_OP, HYBRID/2, HYBRID/4 with lora_only on and off, NO_SHARD without: 9 layouts x 3 x 2 x 2
-    assert len(candidates) == 9 * 3 * 2 * 2 == len(set(candidates))
+    # FULL, SHARD_GRAD_OP, HYBRID/2, HYBRID/4 with lora_only on and off, NO_SHARD without: 9 layouts x 3 kinds x
+    # 3 checkpointing choices x 2 offloads
+    assert len(candidates) == 9 * 3 * 3 * 2 == len(set(candidates))
     assert not any(c.lora_only for c in candidates if c.sharding_strategy is ShardingStrategy.NO_SHARD)
     assert {c.hybrid_shard_size for c in candidates} == {None, 2, 4}
     assert {c.quantize_base for c in candidates} == {None, "int8", "nf4"}

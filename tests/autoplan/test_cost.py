@@ -121,3 +121,10 @@ def test_elementwise_work_is_passes_over_the_saved_activations_at_the_probed_mem
                              precision="32-true")  # fmt: skip
     no_stream = predict(kept, Candidate(FULL, activation_checkpointing=True))
     assert ckpt.compute == pytest.approx(no_stream.compute + ELEMENTWISE_PASSES * (200 + 4 / 3 * 400) / 1e6)
+
+
+def test_selective_checkpointing_recomputes_no_matmul():
+    plain = predict()
+    full = predict(candidate=Candidate(FULL, activation_checkpointing=True))
+    selective = predict(candidate=Candidate(FULL, activation_checkpointing=True, checkpointing_mode="selective"))
+    assert plain.compute <= selective.compute < full.compute  # only elementwise work again, no matmul

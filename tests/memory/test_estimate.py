@@ -203,7 +203,7 @@ def test_budget_prints_the_auto_plans_table_for_llama_3_8b_on_eight_gpus(capsys)
     table = run(argv)
     rows = [line for line in table.splitlines() if line.lstrip(" *").split(" ")[0].isdigit()]
     # strategies with HYBRID_SHARD in groups of 2 and 4; lora_only (not for NO_SHARD); checkpointing; offload; int8
-    assert len(rows) == (4 * 2 + 1) * 2 * 2 * 2 and "HYBRID_SHARD/4 + lora_only + cpu_offload + int8" in table
+    assert len(rows) == (4 * 2 + 1) * 2 * 3 * 2 and "HYBRID_SHARD/4 + lora_only + cpu_offload + int8" in table
     assert "budget 24.00 GiB per device, 21.60 GiB usable" in table and "l4 preset" in table
     chosen = next(line for line in table.splitlines() if line.startswith("chosen: #"))
     number = int(chosen.split("#")[1].split(" ")[0])
@@ -218,7 +218,7 @@ def test_budget_below_every_candidate_exits_2_with_the_closest_for_llama_3_70b(c
         run(argv)
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and "auto plan for" in out  # the table still shows what was considered
-    assert re.search(r"none of the 20 candidates fits at 8 rank\(s\).*Closest: FULL_SHARD( \+ [a-z_]+)*"
+    assert re.search(r"none of the 30 candidates fits at 8 rank\(s\).*Closest: FULL_SHARD( \+ [a-z_]+)*"
                      r" needs [\d.]+ GiB per rank, [\d.]+ GiB \([\d,]+ bytes\) more", err)  # fmt: skip
     with pytest.raises(SystemExit):
         run(["--params", "7e10", "--world-size", "8", "--budget", "80GiB"])
@@ -231,7 +231,7 @@ def test_budget_json_holds_every_candidate_and_the_choice():
                                "--hardware", "a100", "--seq-len", "64", "--json"]))  # fmt: skip
     fitting = [c for c in document["candidates"] if c["fits"]]
     best = document["candidates"][document["chosen"]]
-    assert len(document["candidates"]) == 20 and best["fits"]  # 3 layouts, lora_only on 2, checkpointing, offload
+    assert len(document["candidates"]) == 30 and best["fits"]  # 3 layouts, lora_only on 2, 3 checkpointings, offload
     assert best["step"]["total"] == min(c["step"]["total"] for c in fitting)
     assert document["hardware"]["source"].startswith("a100 preset")
 

@@ -61,6 +61,13 @@ class PublishedRun:
     """False when a condition has no counterpart of ours (the row then says which)."""
 
 
+def ours(**fields: Any) -> dict[str, Any]:
+    """``estimate_memory`` arguments: FULL_SHARD, bf16-true, 2048 tokens, full checkpointing unless ``fields`` say
+    otherwise."""
+    return {"strategy": "full_shard", "precision": "bf16-true", "seq_len": 2048, "activation_checkpointing": True,
+            **fields}  # fmt: skip
+
+
 RUNS = [
     PublishedRun(
         "Llama-3.1-8B QLoRA, 1x RTX 4090",
@@ -68,17 +75,15 @@ RUNS = [
         "batch 2 x 2048 packed, compile; recipe 8B_qlora_single_device: LoRA r8 on q,v,o and MLP, NF4 base, AC, bf16",
         7.4,
         CONFIGS / "llama-3-8b",
-        {
-            "world_size": 1,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 8, "alpha": 16, "target_modules": TORCHTUNE_8B},
-            "quantize_base": "nf4",
-            "activation_checkpointing": True,
-        },
-        "FULL_SHARD at 1 rank, bf16-true, LoRA r8 q,v,o + MLP, NF4 base, full AC, chunked loss",
+        ours(
+            world_size=1,
+            batch_size=2,
+            lora={"r": 8, "alpha": 16, "target_modules": TORCHTUNE_8B},
+            quantize_base="nf4",
+            quantize_double=True,
+        ),
+        "FULL_SHARD at 1 rank, bf16-true, LoRA r8 q,v,o + MLP, NF4 base double-quantized (torchao's NF4 always is),"
+        " full AC, chunked loss",
     ),
     PublishedRun(
         "Llama-3.1-8B LoRA, 1x RTX 4090",
@@ -86,15 +91,7 @@ RUNS = [
         "batch 2 x 2048 packed, compile; recipe 8B_lora_single_device: LoRA r8 on q,v,o and MLP, AC, bf16",
         16.2,
         CONFIGS / "llama-3-8b",
-        {
-            "world_size": 1,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 8, "alpha": 16, "target_modules": TORCHTUNE_8B},
-            "activation_checkpointing": True,
-        },
+        ours(world_size=1, batch_size=2, lora={"r": 8, "alpha": 16, "target_modules": TORCHTUNE_8B}),
         "FULL_SHARD at 1 rank, bf16-true, LoRA r8 q,v,o + MLP, bf16 base, full AC, chunked loss",
     ),
     PublishedRun(
@@ -103,15 +100,7 @@ RUNS = [
         "batch 2 x 2048 packed, compile; recipe 70B_lora: LoRA r16 on q,k,v, FSDP over 8 GPUs, AC, bf16",
         27.6,
         CONFIGS / "llama-3-70b",
-        {
-            "world_size": 8,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj"]},
-            "activation_checkpointing": True,
-        },
+        ours(world_size=8, batch_size=2, lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj"]}),
         "FULL_SHARD on 8, bf16-true, LoRA r16 q,k,v, full AC, chunked loss",
     ),
     PublishedRun(
@@ -131,15 +120,9 @@ RUNS = [
         "local batch 2 x 8192, FSDP over 8, selective AC, bf16 params / fp32 reduce, AdamW",
         82.4,
         CONFIGS / "llama-3-8b",
-        {
-            "world_size": 8,
-            "strategy": "full_shard",
-            "precision": "bf16-mixed",
-            "batch_size": 2,
-            "seq_len": 8192,
-            "activation_checkpointing": True,
-            "activation_checkpointing_mode": "selective",
-        },
+        ours(
+            world_size=8, precision="bf16-mixed", batch_size=2, seq_len=8192, activation_checkpointing_mode="selective"
+        ),
         "FULL_SHARD on 8, bf16-mixed, selective AC (matmul + attention outputs kept), chunked loss",
     ),
     PublishedRun(
@@ -148,16 +131,7 @@ RUNS = [
         "batch 1 x 2048, FSDP over 2 GPUs, LoRA r64 (script default) all linear, NF4 base, AC (reentrant)",
         5.21,
         LLAMA2_7B,
-        {
-            "world_size": 2,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 1,
-            "seq_len": 2048,
-            "lora": {"r": 64, "alpha": 16, "target_modules": ALL_PROJ},
-            "quantize_base": "nf4",
-            "activation_checkpointing": True,
-        },
+        ours(world_size=2, batch_size=1, lora={"r": 64, "alpha": 16, "target_modules": ALL_PROJ}, quantize_base="nf4"),
         "FULL_SHARD on 2, bf16-true, LoRA r64 all projections, NF4 base, full AC",
     ),
     PublishedRun(
@@ -166,15 +140,7 @@ RUNS = [
         "batch 1 x 2048, FSDP over 2 GPUs, LoRA r64 all linear, bf16 base, AC (reentrant)",
         10.22,
         LLAMA2_7B,
-        {
-            "world_size": 2,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 1,
-            "seq_len": 2048,
-            "lora": {"r": 64, "alpha": 16, "target_modules": ALL_PROJ},
-            "activation_checkpointing": True,
-        },
+        ours(world_size=2, batch_size=1, lora={"r": 64, "alpha": 16, "target_modules": ALL_PROJ}),
         "FULL_SHARD on 2, bf16-true, LoRA r64 all projections, bf16 base, full AC",
     ),
     PublishedRun(
@@ -183,17 +149,13 @@ RUNS = [
         "batch 2 x 2048, FSDP over 2 GPUs, CPU offload, LoRA r64 all linear, NF4 base, AC",
         14.92,
         LLAMA2_70B,
-        {
-            "world_size": 2,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 64, "alpha": 16, "target_modules": ALL_PROJ},
-            "quantize_base": "nf4",
-            "cpu_offload": True,
-            "activation_checkpointing": True,
-        },
+        ours(
+            world_size=2,
+            batch_size=2,
+            lora={"r": 64, "alpha": 16, "target_modules": ALL_PROJ},
+            quantize_base="nf4",
+            cpu_offload=True,
+        ),
         "FULL_SHARD on 2, cpu_offload, bf16-true, LoRA r64 all projections, NF4 base, full AC",
     ),
     PublishedRun(
@@ -202,18 +164,14 @@ RUNS = [
         "batch 2 x 2048 packed, FSDP over 2, CPU offload, LoRA r8 all-linear, NF4 (nested) base, AC, flash-attn",
         19.6 * 1e9 / 2**30,
         LLAMA2_70B,
-        {
-            "world_size": 2,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 8, "alpha": 16, "target_modules": ALL_PROJ},
-            "quantize_base": "nf4",
-            "quantize_double": True,
-            "cpu_offload": True,
-            "activation_checkpointing": True,
-        },
+        ours(
+            world_size=2,
+            batch_size=2,
+            lora={"r": 8, "alpha": 16, "target_modules": ALL_PROJ},
+            quantize_base="nf4",
+            quantize_double=True,
+            cpu_offload=True,
+        ),
         "FULL_SHARD on 2, cpu_offload, bf16-true, LoRA r8 all projections, NF4 double-quant base, full AC",
     ),
     PublishedRun(
@@ -222,17 +180,13 @@ RUNS = [
         "as above without CPU offload",
         35.6 * 1e9 / 2**30,
         LLAMA2_70B,
-        {
-            "world_size": 2,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 8, "alpha": 16, "target_modules": ALL_PROJ},
-            "quantize_base": "nf4",
-            "quantize_double": True,
-            "activation_checkpointing": True,
-        },
+        ours(
+            world_size=2,
+            batch_size=2,
+            lora={"r": 8, "alpha": 16, "target_modules": ALL_PROJ},
+            quantize_base="nf4",
+            quantize_double=True,
+        ),
         "FULL_SHARD on 2, bf16-true, LoRA r8 all projections, NF4 double-quant base, full AC",
     ),
     PublishedRun(
@@ -241,17 +195,14 @@ RUNS = [
         "batch 2 x 2048 packed; recipe 405B_qlora: LoRA r16 on q,k,v,o, NF4 base, FSDP over 8, AC",
         44.8,
         LLAMA31_405B,
-        {
-            "world_size": 8,
-            "strategy": "full_shard",
-            "precision": "bf16-true",
-            "batch_size": 2,
-            "seq_len": 2048,
-            "lora": {"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
-            "quantize_base": "nf4",
-            "activation_checkpointing": True,
-        },
-        "FULL_SHARD on 8, bf16-true, LoRA r16 q,k,v,o, NF4 base, full AC",
+        ours(
+            world_size=8,
+            batch_size=2,
+            lora={"r": 16, "alpha": 32, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+            quantize_base="nf4",
+            quantize_double=True,
+        ),
+        "FULL_SHARD on 8, bf16-true, LoRA r16 q,k,v,o, NF4 base double-quantized, full AC",
     ),
 ]
 """The published runs (each source read for its conditions; see the module docstring for what each measures)."""

@@ -77,9 +77,10 @@ def run_app(*, model_dir: Path, run: str, layout: str, checkpointing: bool, out:
     """One training run through ``scripts/run fsdp-plus-train``; its memory phases, trace and metrics."""
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
     overrides = [
-        "experiment=medical_lora", f"model.name_or_path={model_dir}", "model.torch_dtype=bfloat16",
-        *RUNS[run], "precision=bf16_mixed", f"trainer.max_steps={steps}", "trainer.limit_val_batches=1",
-        "trainer.log_every_n_steps=1", "generate.num_prompts=0", f"hydra.run.dir={out}",
+        "experiment=medical_lora", f"model.name_or_path={model_dir}", "model.torch_dtype=float32",
+        *RUNS[run], "precision=32_true", f"trainer.max_steps={steps}", "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1", "trainer.gradient_clip_val=1.0", "generate.num_prompts=0",
+        f"hydra.run.dir={out}",
         "+callbacks.phases._target_=benchmarks.memory_phases.PhaseMemory", f"+callbacks.phases.out={out}",
         "+callbacks.trace._target_=benchmarks.memory_trace.AllocationTrace", f"+callbacks.trace.out={out}",
     ]  # fmt: skip
@@ -120,7 +121,7 @@ def estimate(*, model_dir: Path, run: str, layout: str, checkpointing: bool) -> 
     if layout == "before":
         fields["auto_wrap_policy"] = [LAYER_CLASSES[model_type]]
     described, (est,) = estimate_memory(
-        config=model_dir, world_size=2, strategy="full_shard", precision="bf16-mixed", batch_size=8, seq_len=128,
+        config=model_dir, world_size=2, strategy="full_shard", precision="32-true", batch_size=8, seq_len=128,
         padded=True, activation_checkpointing=checkpointing, platform=PLATFORMS["cpu-tcmalloc"],
         chunked_loss=layout != "before", **fields,
     )  # fmt: skip
@@ -137,10 +138,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layouts", nargs="+", default=["now", "before"], choices=["now", "before"])
     parser.add_argument("--checkpointing", nargs="+", default=["off", "on"], choices=["off", "on"])
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--estimate-only", action="store_true",
+                        help="keep the measured runs in --out, compute the estimator's figures again")  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results_path = args.out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if args.estimate_only:
+        for key, row in results.items():
+            name, run, layout, ck = key.split("/")
+            model_dir = TINY if name == "tiny" else args.out / "models" / name
+            row.update(estimate(model_dir=model_dir, run=run, layout=layout, checkpointing=ck == "on"))
+        results_path.write_text(json.dumps(results, indent=1))
+        args.layouts, args.models = [], []  # nothing to run
     for layout in args.layouts:  # the tiny model's run: what every figure is added over
         key = f"tiny/lora_int8/{layout}/off"
         if key not in results:

@@ -5,7 +5,7 @@ At a 128k-152k vocabulary (Llama 3, Qwen 2.5) the logits are the largest tensor 
 output head's matmul and the cross-entropy run one chunk of tokens at a time, and each chunk's gradients (of the
 hidden states, and of the head's weight and bias when they train) are computed at once, in forward (the scheme of
 Liger-Kernel's fused linear cross-entropy, in plain torch). Alive at a time: one chunk's float32 logits and their
-gradient, sized about like the hidden states (``chunk_tokens ~ tokens x hidden / vocab``). Backward only scales
+gradient (:func:`default_chunk_tokens`: at most an eighth of the batch's). Backward only scales
 the stored gradients, so the head's weight is not needed again after forward.
 
 :func:`causal_lm_loss` runs a transformers causal LM this way without touching its code: during one forward the
@@ -34,10 +34,18 @@ _LOGIT_CHANGERS = ("final_logit_softcapping", "logit_scale", "output_multiplier_
 """Config fields of models that change the head's output before the loss: those keep their own loss."""
 
 
+MAX_CHUNKS = 8
+"""At most this many chunks a batch (torchtune's ``num_output_chunks``): every chunk reads the whole head weight
+again, so many small chunks trade memory for bandwidth (205 chunks of 5 tokens at hidden 512 and a 128k vocabulary
+made a CPU step minutes long)."""
+
+
 def default_chunk_tokens(*, tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk so that one chunk's logits hold about as many elements as the hidden states:
-    ``ceil(tokens / ceil(vocab / hidden))`` (Liger-Kernel's rule), at least 1."""
-    return max(1, math.ceil(tokens / max(1, math.ceil(vocab / max(hidden, 1)))))
+    """Tokens per chunk: so that one chunk's logits hold about as many elements as the hidden states
+    (``ceil(tokens / ceil(vocab / hidden))``, Liger-Kernel's rule), but no more than :data:`MAX_CHUNKS` chunks: a
+    chunk's float32 logits are then at most an eighth of the batch's."""
+    liger = math.ceil(tokens / max(1, math.ceil(vocab / max(hidden, 1))))
+    return max(1, liger, math.ceil(tokens / MAX_CHUNKS))
 
 
 def _chunk_loss(logits: Tensor, labels: Tensor) -> Tensor:

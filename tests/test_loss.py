@@ -53,9 +53,11 @@ def test_under_no_grad_the_loss_is_the_same_and_nothing_is_kept():
     assert loss.grad_fn is None and loss.item() == pytest.approx(_plain(hidden, weight, None, labels).item(), abs=1e-6)
 
 
-def test_chunks_hold_about_as_much_as_the_hidden_states():
-    # Llama-3-8B, 2 x 2048 tokens: ceil(128256 / 4096) = 32 chunks of 128 tokens
-    assert default_chunk_tokens(tokens=4096, hidden=4096, vocab=128256) == 128
+def test_chunks_hold_about_as_much_as_the_hidden_states_in_at_most_eight_chunks():
+    # Llama-3-8B, 2 x 2048 tokens: Liger's rule would make ceil(128256 / 4096) = 32 chunks of 128 tokens; each chunk
+    # reads the 1 GB head weight again, so at most 8 chunks (torchtune's count) of 512
+    assert default_chunk_tokens(tokens=4096, hidden=4096, vocab=128256) == 512
+    assert default_chunk_tokens(tokens=4096, hidden=4096, vocab=16384) == 1024  # 4 chunks: hidden-sized logits
     assert default_chunk_tokens(tokens=3, hidden=64, vocab=128256) == 1
 
 

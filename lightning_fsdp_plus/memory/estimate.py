@@ -503,7 +503,9 @@ def describe_config_variants(
         loss_transient = 0
         if chunked_loss and vocab and hidden:
             chunk = default_chunk_tokens(tokens=batch.batch_size * batch.seq_len, hidden=hidden, vocab=vocab)
-            loss_transient = chunk * vocab * (8 + torch.empty((), dtype=compute_dtype(precision)).element_size())
+            # a chunk's logits in the compute dtype and in float32, cross-entropy's log-probabilities, the softmax
+            # that becomes the gradient (measured with benchmarks/memory_trace.py at a 128k vocabulary: 4 x 62.6 MiB)
+            loss_transient = chunk * vocab * (12 + torch.empty((), dtype=compute_dtype(precision)).element_size())
 
         def laid_out(d: ModelDescription, saved: dict[str, int], recompute: dict[str, int]) -> ModelDescription:
             own = set(d.unit_paths)

@@ -117,8 +117,10 @@ def step_timeline(
     kept_all = gathered_after_forward(len(units))
     root_in_backward = root.gathered
     last = units[-1] if units else root
-    add("loss", activations=everything, gathered=root_kept + kept_all + (last.gathered if last.reshards else 0),
-        transient=loss_transient)  # fmt: skip
+    # the loss runs inside the last unit's call (the head's, with the chunked loss): its gather copy is still alive
+    regathered_last = last.gathered if last.reshards else 0
+    add("loss", activations=everything, gathered=root_kept + kept_all + regathered_last,
+        transient=loss_transient + gather_copies * regathered_last)  # fmt: skip
     done_grads = 0
     for i in range(len(units) - 1, -1, -1):
         unit = units[i]

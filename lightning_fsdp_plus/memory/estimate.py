@@ -498,7 +498,7 @@ def describe_config_variants(
         activations, largest = counter.bytes, counter.largest
         plain_units, largest_units, order = counter.by_unit(), counter.largest_by_unit(), list(counter.order)
         kept_ops = dict(counter.op_outputs)
-        config_obj = getattr(model, "config", None)
+        config_obj = getattr(getattr(model, "model", model), "config", None)  # the causal LM inside the root
         vocab, hidden = getattr(config_obj, "vocab_size", 0) or 0, getattr(config_obj, "hidden_size", 0) or 0
         loss_transient = 0
         if chunked_loss and vocab and hidden:

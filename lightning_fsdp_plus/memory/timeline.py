@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_fsdp_plus.memory.assumptions import GRADIENT_TEMPORARIES
-from lightning_fsdp_plus.memory.monitor import SavedActivations
+from lightning_fsdp_plus.memory.monitor import SavedActivations, _is_parameter
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,7 @@ class UnitActivations(SavedActivations):
     def _pack(self, tensor: Tensor) -> Tensor:
         key = self._stack[-1] if self._stack else self._root_key
         out = super()._pack(tensor)
-        if not _is_param_like(tensor):
+        if not _is_parameter(tensor):
             storage = tensor.untyped_storage()._cdata
             self._owner.setdefault(storage, key)
             size = self._storages.get(storage, 0)
@@ -241,11 +241,6 @@ class UnitActivations(SavedActivations):
             handle.remove()
         self._handles.clear()
         super().stop()
-
-
-def _is_param_like(tensor: Tensor) -> bool:
-    base = tensor._base if tensor._base is not None else tensor
-    return isinstance(base, nn.Parameter) or isinstance(tensor, nn.Parameter)
 
 
 class _OpOutputs(TorchDispatchMode):

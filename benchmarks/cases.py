@@ -52,6 +52,7 @@ from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus.app.lm import CausalLMModule
 from lightning_fsdp_plus.memory import SavedActivations
 from lightning_fsdp_plus.plan import MeshLayout, ShardingStrategy, resolve_mesh_layout
+from lightning_fsdp_plus.policies import select_unit_paths
 from lightning_fsdp_plus.sharding import init_mesh
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.0,
@@ -252,8 +253,12 @@ def fsdp_plus(
         strategy_kwargs["hybrid_shard_size"] = setting.hybrid_shard_size
     if strategy_kwargs.get("compile"):
         torch._dynamo.reset()
-    strategy = FSDPPlusStrategy(sharding_strategy=sharding_strategy, **strategy_kwargs)
     module = CausalLMModule(_model(setting), lr=LR)
+    # the hand-written loops shard the blocks and the root: the same units here, so the cases compare the same
+    # sharding (the default auto layout also makes the embeddings and head units of their own)
+    blocks = {type(module.model.get_submodule(p)) for p in select_unit_paths(module.model, "auto")}
+    strategy_kwargs.setdefault("auto_wrap_policy", sorted(blocks, key=lambda c: c.__name__))
+    strategy = FSDPPlusStrategy(sharding_strategy=sharding_strategy, **strategy_kwargs)
     return _fit(setting, strategy, module, precision=precision, callbacks=callbacks)
 
 

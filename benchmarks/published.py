@@ -68,6 +68,11 @@ def ours(**fields: Any) -> dict[str, Any]:
             **fields}  # fmt: skip
 
 
+QLORA_70B_ON_2 = {"world_size": 2, "batch_size": 2, "quantize_base": "nf4"}
+"""Llama-2-70B QLoRA on two GPUs, 2 x 2048 tokens (Answer.AI's and PEFT's runs)."""
+PEFT_70B = {**QLORA_70B_ON_2, "lora": {"r": 8, "alpha": 16, "target_modules": ALL_PROJ}, "quantize_double": True}
+"""PEFT's FSDP + QLoRA example: LoRA r8 on every linear layer, nested (double) quantization."""
+
 RUNS = [
     PublishedRun(
         "Llama-3.1-8B QLoRA, 1x RTX 4090",
@@ -149,13 +154,7 @@ RUNS = [
         "batch 2 x 2048, FSDP over 2 GPUs, CPU offload, LoRA r64 all linear, NF4 base, AC",
         14.92,
         LLAMA2_70B,
-        ours(
-            world_size=2,
-            batch_size=2,
-            lora={"r": 64, "alpha": 16, "target_modules": ALL_PROJ},
-            quantize_base="nf4",
-            cpu_offload=True,
-        ),
+        ours(**QLORA_70B_ON_2, lora={"r": 64, "alpha": 16, "target_modules": ALL_PROJ}, cpu_offload=True),
         "FULL_SHARD on 2, cpu_offload, bf16-true, LoRA r64 all projections, NF4 base, full AC",
     ),
     PublishedRun(
@@ -164,14 +163,7 @@ RUNS = [
         "batch 2 x 2048 packed, FSDP over 2, CPU offload, LoRA r8 all-linear, NF4 (nested) base, AC, flash-attn",
         19.6 * 1e9 / 2**30,
         LLAMA2_70B,
-        ours(
-            world_size=2,
-            batch_size=2,
-            lora={"r": 8, "alpha": 16, "target_modules": ALL_PROJ},
-            quantize_base="nf4",
-            quantize_double=True,
-            cpu_offload=True,
-        ),
+        ours(**PEFT_70B, cpu_offload=True),
         "FULL_SHARD on 2, cpu_offload, bf16-true, LoRA r8 all projections, NF4 double-quant base, full AC",
     ),
     PublishedRun(
@@ -180,13 +172,7 @@ RUNS = [
         "as above without CPU offload",
         35.6 * 1e9 / 2**30,
         LLAMA2_70B,
-        ours(
-            world_size=2,
-            batch_size=2,
-            lora={"r": 8, "alpha": 16, "target_modules": ALL_PROJ},
-            quantize_base="nf4",
-            quantize_double=True,
-        ),
+        ours(**PEFT_70B),
         "FULL_SHARD on 2, bf16-true, LoRA r8 all projections, NF4 double-quant base, full AC",
     ),
     PublishedRun(

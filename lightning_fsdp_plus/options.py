@@ -155,7 +155,7 @@ class FSDPPlusOptions:
     a fraction of the device (``0.9``, ``"90%"``; on CPU of the host's RAM per rank on the node)."""
     memory_margin: float = 0.1
     """``sharding_strategy="auto"``: share of ``memory_budget`` kept free for what the estimator does not count
-    (allocator fragmentation, communication buffers, the CUDA context)."""
+    (the caching allocator's fragmentation, kernel workspaces; the real peak counts the CUDA context and NCCL)."""
     allow_quantize: tuple[str, ...] = ()
     """``sharding_strategy="auto"``: quantizations of a LoRA run's frozen base the plan may choose (``int8``,
     ``nf4``, ``fp4``); empty: never (it changes numerics, so only on request)."""

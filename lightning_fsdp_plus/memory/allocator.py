@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,16 @@ TCMALLOC_FACTOR = 1.10
 int8 and float bases (docs/memory.md)."""
 GLIBC_FACTOR = 2.4
 """The same under glibc's ``malloc``: 2.24 measured at 12.8M and 135M, 2.34 at 400M (docs/memory.md)."""
+CUDA_CONTEXT_BYTES = 287_047_680
+"""Device memory a process's CUDA context takes once it has run kernels, with lazy module loading (PyTorch's default
+since 1.13, CUDA's on Linux since 12.2): ``cudaMemGetInfo`` after one tensor op, pytorch/pytorch#85692
+(666,632,192 bytes loading every module eagerly). Outside PyTorch's allocator: ``torch.cuda.max_memory_*`` never
+shows it, ``nvidia-smi`` does."""
+NCCL_COMMUNICATOR_BYTES = (544 * 2**20, 688 * 2**20)
+"""Device memory one NCCL communicator holds once it has run a collective, for 2 ranks and for more: 544 and 688 MiB
+on 4 A100s over NVLink with PyTorch, a 4 MB all-reduce per process group (NVIDIA/nccl#964). It is linear in NCCL's
+channels (NCCL_BUFFSIZE, 4 MiB by default, per channel and peer; NVIDIA/nccl#986), so PCIe cards with fewer channels
+hold less. Outside PyTorch's allocator, like the context."""
 
 
 def allocator_in_use(maps: Path = Path("/proc/self/maps")) -> str:
@@ -97,7 +107,7 @@ def report_allocator_once() -> None:
 @dataclass(frozen=True)
 class Platform:
     """What a device's runtime adds to the tensors the estimator counts: the real peak is
-    ``(peak with transient + gather_copies x the largest gathered unit) x allocator_factor``."""
+    ``(peak with transient + gather_copies x the largest gathered unit) x allocator_factor + runtime_bytes``."""
 
     name: str
     """``cuda``, or ``cpu-<allocator>``."""
@@ -108,6 +118,16 @@ class Platform:
     """Process memory added over an idle process ÷ the live tensor bytes at the peak: what the allocator keeps."""
     basis: str
     """Where the figures come from."""
+    context_bytes: int = 0
+    """What the device runtime holds per process outside the allocator (the CUDA context)."""
+    communicator_bytes: tuple[int, int] = (0, 0)
+    """What one collective communicator holds outside the allocator, for 2 ranks and for more (NCCL's buffers)."""
+
+    def runtime_bytes(self, *, group_sizes: Iterable[int]) -> int:
+        """The context plus a communicator for every distinct process group of more than one rank the run uses
+        (``group_sizes``: the world, and the mesh's shard and replicate groups where they differ from it)."""
+        pairs, more = self.communicator_bytes
+        return self.context_bytes + sum(pairs if n == 2 else more for n in set(group_sizes) if n > 1)
 
 
 PLATFORMS: dict[str, Platform] = {
@@ -115,8 +135,11 @@ PLATFORMS: dict[str, Platform] = {
         "cuda",
         0,
         1.0,
-        "assumed: NCCL gathers in place; the caching allocator's reserve above its"
-        " tensors is what memory_margin keeps free (to be confirmed on a GPU)",
+        "NCCL gathers in place; the CUDA context (pytorch/pytorch#85692) and NCCL's buffers (NVIDIA/nccl#964) as"
+        " published; the caching allocator's reserve above its tensors is what memory_margin keeps free (to be"
+        " confirmed on a GPU)",
+        CUDA_CONTEXT_BYTES,
+        NCCL_COMMUNICATOR_BYTES,
     ),
     "cpu-tcmalloc": Platform("cpu-tcmalloc", 1, TCMALLOC_FACTOR, "measured: 2 CPU ranks, 12.8M-400M (docs/memory.md)"),
     "cpu-glibc": Platform(

@@ -75,6 +75,13 @@ def notes_for(estimates: Sequence[MemoryEstimate]) -> list[str]:
         notes.append("NO_SHARD at world size 1: FSDP2 still keeps an unsharded copy of every parameter beside its"
                      " (whole) shard (checked: the two storages differ), so parameters count twice; at one rank"
                      " FULL_SHARD gathers one unit at a time and holds the least")  # fmt: skip
+    runtime = sorted({e.runtime_bytes_per_rank for e in estimates if e.runtime_bytes_per_rank})
+    if runtime:
+        gib = " to ".join(f"{b / 2**30:.2f}" for b in (runtime[0], runtime[-1]) if b) if len(runtime) > 1 else (
+            f"{runtime[0] / 2**30:.2f}")  # fmt: skip
+        notes.append(f"the real peak includes {gib} GiB the CUDA runtime holds outside PyTorch's allocator: its"
+                     " context (pytorch/pytorch#85692) and a NCCL communicator per process group (NVIDIA/nccl#964);"
+                     " torch.cuda.max_memory_allocated() does not show them, nvidia-smi does")  # fmt: skip
     return notes
 
 

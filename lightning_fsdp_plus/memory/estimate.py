@@ -14,18 +14,20 @@ memory), with bytes per element from :mod:`~lightning_fsdp_plus.memory.assumptio
 * ``largest_unit_transient_bytes``: what backward adds around the largest unit: its all-gathered parameters
   (FULL/HYBRID_SHARD) and unsharded gradients, and as much again for its neighbours — the next unit's prefetched
   all-gather and the previous unit's reduce-scatter buffer still in flight (FSDP2's overlap; measured with torch's
-  ``FSDPMemTracker``), with activation checkpointing twice what one unit saves again while its backward
-  recomputes it (the recomputed activations and their gradients), two tensors of the largest saved activation's
-  size (the gradient backward computes for it and the one beside it) and the largest quantized weight dequantized
-  (bitsandbytes builds that copy for the matmul) — each part measured with ``benchmarks/memory_trace.py``;
+  ``FSDPMemTracker``), with activation checkpointing what one unit saves again while its backward recomputes it
+  (once: each recomputed tensor is freed when its backward node has used it; traced), two tensors of the largest
+  saved activation's size (the gradient backward computes for it and the one beside it) and the largest quantized
+  weight dequantized (bitsandbytes builds that copy for the matmul) — each part measured with
+  ``benchmarks/memory_trace.py``;
 * ``peak_bytes_per_rank``: max(end of forward + activations, end of backward) — what ``MemoryMonitor``
   measures as its tensor-accounted peak — and ``peak_with_transient_bytes_per_rank``: the larger of that peak
   plus the transient and the optimizer step (end of backward + the optimizer's temporaries): the live tensors at
   the step's peak;
 * ``real_peak_bytes_per_rank``: what the process takes on its platform (:class:`~.allocator.Platform`): gloo's
   all-gather temporary of the largest unit on CPU, times what the allocator keeps beyond its live bytes (CPU
-  ``malloc``: measured per allocator; CUDA: 1, its caching allocator's reserve is ``memory_margin``'s share). The
-  auto plan budgets this figure.
+  ``malloc``: measured per allocator; CUDA: 1, its caching allocator's reserve is ``memory_margin``'s share), plus
+  what the device runtime holds outside the allocator (CUDA: the context and a NCCL communicator per process group,
+  as published; :mod:`~.allocator`). The auto plan budgets this figure against the device's total memory.
 """
 
 from __future__ import annotations
@@ -163,7 +165,10 @@ class MemoryEstimate:
     all-gather copies of the largest unit (gloo's temporary; none on NCCL)."""
     real_peak_bytes_per_rank: int | None = None
     """What the process really takes at the peak on ``platform``: ``live_peak_bytes_per_rank`` x the platform's
-    allocator factor (what ``malloc`` keeps beyond its live bytes on CPU; :mod:`~.allocator`)."""
+    allocator factor (what ``malloc`` keeps beyond its live bytes on CPU; :mod:`~.allocator`) +
+    ``runtime_bytes_per_rank``."""
+    runtime_bytes_per_rank: int = 0
+    """What the device runtime holds outside the tensor allocator (CUDA: the context and NCCL's communicators)."""
     platform: str = "cuda"
     """The platform the real peak is for (``cuda``, ``cpu-tcmalloc``, ``cpu-glibc``, ``cpu-mmap``)."""
     optimizer_temporary_bytes: int = 0
@@ -269,11 +274,13 @@ def estimate_strategy(
     check_positive(world_size, key="world_size", meaning="the number of ranks")
     pb, states = _precision_bytes(precision), _optimizer_states(optimizer)
     try:
-        shard = resolve_mesh_layout(
+        layout = resolve_mesh_layout(
             sharding_strategy=sharding_strategy, world_size=world_size, hybrid_shard_size=hybrid_shard_size
-        ).shard
+        )
     except ValueError as err:
         raise EstimateError(str(err)) from None
+    shard = layout.shard
+    runtime = platform.runtime_bytes(group_sizes=(world_size, layout.shard, layout.replicate))
     managed = [(p, shard) for unit in model.units for p in unit]
     kept_whole = [(p, 1) for p in model.replicated]
 
@@ -302,7 +309,7 @@ def estimate_strategy(
             unsharded_grads(u) + (compute_copy(u) if again else 0)
             for u, again in zip(model.units, regathered, strict=True)
         )
-        transient += 2 * model.recompute_bytes  # a checkpointed unit's recomputed activations and their gradients
+        transient += model.recompute_bytes  # a checkpointed unit's recomputed activations, freed as backward uses them
         transient += GRADIENT_TEMPORARIES * model.largest_activation_bytes + dequantized_weight_bytes(
             model, compute_bytes=pb.compute)  # fmt: skip
     temporaries = 0 if cpu_offload else opt // max(states, 1) * OPTIMIZER_TEMPORARIES[optimizer.lower()]
@@ -337,11 +344,11 @@ def estimate_strategy(
         with_transient = peak_moment(moments).bytes
         live_moments = step_timeline(**timeline, gather_copies=platform.gather_copies if shard > 1 else 0)
         live = peak_moment(live_moments).bytes
-        real = math.ceil(live * platform.allocator_factor)
+        real = math.ceil(live * platform.allocator_factor) + runtime
     elif with_transient is not None:
         gathered = max((compute_copy(u) for u in model.units), default=0) if shard > 1 else 0
         live = with_transient + platform.gather_copies * gathered
-        real = math.ceil(live * platform.allocator_factor)
+        real = math.ceil(live * platform.allocator_factor) + runtime
     else:
         live = real = None
     return MemoryEstimate(
@@ -359,6 +366,7 @@ def estimate_strategy(
         peak_with_transient_bytes_per_rank=with_transient,
         live_peak_bytes_per_rank=live,
         real_peak_bytes_per_rank=real,
+        runtime_bytes_per_rank=runtime if real is not None else 0,
         platform=platform.name,
         optimizer_temporary_bytes=temporaries,
         host_bytes_per_rank=host,

@@ -12,8 +12,10 @@ optimizer step. At each one the live tensors of a rank are
 * in a unit's backward: the activations of that unit and those before it (the later ones are freed), the gradient
   shards of the units whose backward ran, the unit's gathered copy (re-gathered when it resharded after forward)
   and its unsharded gradients, the next unit's prefetched all-gather and the last one's reduce-scatter input, the
-  recomputed activations of a checkpointed unit with their gradients, two tensors of the unit's largest saved
-  activation (its gradient and the one beside it) and the largest quantized weight dequantized;
+  recomputed activations of a checkpointed unit (once: torch's non-reentrant checkpoint hands each recomputed tensor
+  to the backward node that unpacks it and drops its own reference, so they are freed as the unit's backward goes),
+  two tensors of the unit's largest saved activation (its gradient and the one beside it) and the largest quantized
+  weight dequantized;
 * at the optimizer step: every gradient shard and the optimizer's temporaries.
 
 A moment's activations are attributed to the unit that saved them (counted on a FakeTensor forward by
@@ -136,7 +138,7 @@ def step_timeline(
         add(f"backward {unit.path}", activations=root.activations + sum(u.activations for u in units[: i + 1]),
             gathered=root_in_backward + kept + unit.gathered + behind,
             grads=done_grads + unit.unsharded_grads + in_flight,
-            transient=2 * unit.recompute + GRADIENT_TEMPORARIES * unit.largest_activation + dequantized
+            transient=unit.recompute + GRADIENT_TEMPORARIES * unit.largest_activation + dequantized
             + (gather_copies * unit.gathered if unit.reshards else 0))  # fmt: skip
         done_grads += unit.grad_shards
     add("backward <root>", activations=root.activations, gathered=root_in_backward,

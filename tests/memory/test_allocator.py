@@ -82,3 +82,14 @@ def test_the_platform_follows_the_device_the_allocator_and_glibcs_mmap_threshold
     assert platform_for("cpu", allocator="jemalloc", environ={}) is PLATFORMS["cpu-glibc"]  # unmeasured: glibc's
     assert platform_for("cpu", environ={}) is PLATFORMS["cpu-glibc"]  # this process (pytest) runs on glibc
     assert PLATFORMS["cuda"].gather_copies == 0 and PLATFORMS["cuda"].allocator_factor == 1.0
+
+
+def test_the_cuda_runtime_counts_the_context_once_and_one_communicator_per_process_group():
+    from lightning_fsdp_plus.memory.allocator import CUDA_CONTEXT_BYTES, NCCL_COMMUNICATOR_BYTES, PLATFORMS
+
+    cuda = PLATFORMS["cuda"]
+    pairs, more = NCCL_COMMUNICATOR_BYTES
+    assert cuda.runtime_bytes(group_sizes=(1, 1, 1)) == CUDA_CONTEXT_BYTES  # one GPU: no communicator
+    assert cuda.runtime_bytes(group_sizes=(8, 8, 1)) == CUDA_CONTEXT_BYTES + more  # FULL_SHARD: the world's group
+    assert cuda.runtime_bytes(group_sizes=(8, 4, 2)) == CUDA_CONTEXT_BYTES + 2 * more + pairs  # HSDP: three groups
+    assert PLATFORMS["cpu-tcmalloc"].runtime_bytes(group_sizes=(8, 4, 2)) == 0  # gloo: inside the process's heap

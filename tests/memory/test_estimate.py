@@ -291,7 +291,7 @@ def test_backward_transient_counts_two_of_the_largest_activation_and_the_largest
 def test_the_real_peak_adds_the_platforms_gather_copy_of_the_largest_unit_and_its_allocator_factor():
     import math
 
-    from lightning_fsdp_plus.memory.allocator import GLIBC_FACTOR, PLATFORMS, TCMALLOC_FACTOR
+    from lightning_fsdp_plus.memory.allocator import CUDA_CONTEXT_BYTES, GLIBC_FACTOR, PLATFORMS, TCMALLOC_FACTOR
     from lightning_fsdp_plus.memory.estimate import ModelDescription, estimate_strategy
     from lightning_fsdp_plus.plan import ParamInfo, ShardingStrategy
 
@@ -307,10 +307,27 @@ def test_the_real_peak_adds_the_platforms_gather_copy_of_the_largest_unit_and_it
                                  platform=PLATFORMS[platform])  # fmt: skip
 
     cuda, tcmalloc, glibc = estimate(), estimate(platform="cpu-tcmalloc"), estimate(platform="cpu-glibc")
-    assert cuda.live_peak_bytes_per_rank == cuda.real_peak_bytes_per_rank == cuda.peak_with_transient_bytes_per_rank
+    assert cuda.live_peak_bytes_per_rank == cuda.peak_with_transient_bytes_per_rank  # NCCL gathers in place
+    # outside the allocator: the CUDA context and one 2-rank NCCL communicator (544 MiB, NVIDIA/nccl#964)
+    assert cuda.real_peak_bytes_per_rank - cuda.live_peak_bytes_per_rank == cuda.runtime_bytes_per_rank
+    assert cuda.runtime_bytes_per_rank == CUDA_CONTEXT_BYTES + 544 * 2**20
+    assert tcmalloc.runtime_bytes_per_rank == 0
     assert tcmalloc.live_peak_bytes_per_rank == cuda.peak_with_transient_bytes_per_rank + 4000  # gloo's temporary
     assert tcmalloc.real_peak_bytes_per_rank == math.ceil(tcmalloc.live_peak_bytes_per_rank * TCMALLOC_FACTOR)
     assert glibc.real_peak_bytes_per_rank == math.ceil(tcmalloc.live_peak_bytes_per_rank * GLIBC_FACTOR)
     assert (tcmalloc.platform, glibc.platform) == ("cpu-tcmalloc", "cpu-glibc")
     no_shard = estimate(ShardingStrategy.NO_SHARD, platform="cpu-tcmalloc")  # nothing is gathered over ranks
     assert no_shard.live_peak_bytes_per_rank == no_shard.peak_with_transient_bytes_per_rank
+
+
+def test_the_table_says_what_the_cuda_runtime_adds_outside_the_allocator(tmp_path):
+    from lightning_fsdp_plus.memory.allocator import CUDA_CONTEXT_BYTES
+
+    tiny_llama().config.save_pretrained(tmp_path)
+    common = ["--config", str(tmp_path), "--strategy", "full_shard", "--batch-size", "2", "--seq-len", "16"]
+    cuda = run([*common, "--world-size", "1", "2"])
+    low, high = CUDA_CONTEXT_BYTES / 2**30, (CUDA_CONTEXT_BYTES + 544 * 2**20) / 2**30
+    assert f"note: the real peak includes {low:.2f} to {high:.2f} GiB the CUDA runtime holds" in cuda
+    doc = json.loads(run([*common, "--world-size", "2", "--json"]))["strategies"]["FULL_SHARD"]
+    assert doc["real_peak_bytes_per_rank"] == doc["live_peak_bytes_per_rank"] + doc["runtime_bytes_per_rank"]
+    assert "CUDA runtime" not in run([*common, "--world-size", "2", "--platform", "cpu-tcmalloc"])

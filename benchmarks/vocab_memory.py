@@ -48,7 +48,7 @@ MODELS: dict[str, dict[str, Any]] = {
 RUNS: dict[str, list[str]] = {
     "lora_int8": ["strategy=lora_int8_sharded"],
     "lora_nf4": ["strategy=lora_nf4_sharded", "strategy.quantize_blocksize=64"],
-    "full": ["strategy=full_shard", "model.lr=1e-4"],
+    "full": ["strategy=full_shard", "strategy.lora=null", "model.lr=1e-4"],  # the experiment's LoRA block off
 }
 """The fine-tunes: LoRA r16 on an int8 base, on an NF4 base, and a full fine-tune; each FULL_SHARD."""
 

@@ -511,9 +511,11 @@ def describe_config_variants(
         loss_transient = 0
         if chunked_loss and vocab and hidden:
             chunk = default_chunk_tokens(tokens=batch.batch_size * batch.seq_len, hidden=hidden, vocab=vocab)
-            # a chunk's logits in the compute dtype and in float32, cross-entropy's log-probabilities, the softmax
-            # that becomes the gradient (measured with benchmarks/memory_trace.py at a 128k vocabulary: 4 x 62.6 MiB)
-            loss_transient = chunk * vocab * (12 + torch.empty((), dtype=compute_dtype(precision)).element_size())
+            # a chunk's float32 logits, cross-entropy's log-probabilities, the softmax that becomes the gradient,
+            # and below float32 the logits in the compute dtype before their upcast (traced with
+            # benchmarks/memory_trace.py at a 128k vocabulary in float32: 3 x 62.6 MiB alive at the step's peak)
+            size = torch.empty((), dtype=compute_dtype(precision)).element_size()
+            loss_transient = chunk * vocab * (12 + (size if size < 4 else 0))
 
         def laid_out(d: ModelDescription, saved: dict[str, int], recompute: dict[str, int]) -> ModelDescription:
             own = set(d.unit_paths)

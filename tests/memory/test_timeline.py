@@ -131,3 +131,17 @@ def test_a_checkpointed_block_holds_its_recomputed_activations_once_in_backward(
     measured = peak_breakdown(allocation_events(prof, device="cpu"))["peak_bytes"]
     assert measured == pytest.approx(recompute + GRADIENT_TEMPORARIES * largest, rel=0.2)
     assert measured < 1.5 * recompute  # two copies (the recomputed set and as much again) would be 2x
+
+
+@pytest.mark.parametrize(("precision", "per_element"), [("32-true", 12), ("bf16-true", 14)])
+def test_the_chunked_loss_holds_three_float32_tensors_of_a_chunk_and_below_float32_its_logits(
+    llama3_shaped, precision, per_element
+):
+    """float32 logits, cross-entropy's log-probabilities and the softmax that becomes the gradient (3 x 62.6 MiB
+    traced at 128 x 128,256 in float32); in bf16 the logits before their upcast too."""
+    from lightning_fsdp_plus.loss import default_chunk_tokens
+
+    described, _ = estimate_memory(config=llama3_shaped, world_size=1, strategy="full_shard", precision=precision,
+                                   batch_size=8, seq_len=128)  # fmt: skip
+    chunk = default_chunk_tokens(tokens=8 * 128, hidden=256, vocab=128256)
+    assert described.loss_transient_bytes == chunk * 128256 * per_element

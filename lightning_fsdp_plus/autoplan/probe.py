@@ -87,8 +87,8 @@ def _collective_seconds(kind: str, nbytes: int, *, device: torch.device, group: 
     full = torch.ones(chunk * size, dtype=torch.float32, device=device)
     shard = torch.ones(chunk, dtype=torch.float32, device=device)
     run = {
-        "all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=group),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=group),
+        "all_gather": lambda: dist.all_gather_single(full, shard, group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_single(shard, full, group=group),
         "all_reduce": lambda: dist.all_reduce(full, group=group),
     }[kind]
     return _timed(run, device=device, repeats=5)

@@ -35,12 +35,14 @@ def make_lora_config(lora: Any, *, key: str = "lora") -> Any:
         raise ValueError(f"{key}={lora!r} must be a peft.LoraConfig or a mapping of LoraConfig fields")
     fields = {_ALIASES.get(k, k): (list(v) if k == "target_modules" and not isinstance(v, str) else v)
               for k, v in lora.items()}  # fmt: skip
+    known = {name for name, f in LoraConfig.__dataclass_fields__.items() if f.init}
+    unknown = [k for k in lora if _ALIASES.get(k, k) not in known]
+    if unknown:
+        valid = ", ".join(sorted(known | set(_ALIASES)))  # each key once: our short names beside PEFT's own
+        raise ValueError(f"{key} has {', '.join(map(repr, unknown))}, which is not a LoraConfig field; valid keys:"
+                         f" {valid}")  # fmt: skip
     _check_lora_numbers(fields, key=key)
-    try:
-        return LoraConfig(**fields)
-    except TypeError as err:
-        valid = ", ".join(sorted(["r", "alpha", "dropout", *LoraConfig.__dataclass_fields__]))
-        raise ValueError(f"{key}: {err}; valid keys: {valid}") from err
+    return LoraConfig(**fields)
 
 
 def _check_lora_numbers(fields: Mapping[str, Any], *, key: str) -> None:
@@ -209,6 +211,20 @@ def check_trainable(module: nn.Module, *, key: str = "lora_only") -> None:
         raise ValueError(
             f"{key}=True shards the trainable (LoRA) parameters, but the model has none: apply LoRA"
             " (peft.get_peft_model, or FSDPPlusStrategy(lora={...})) or set lora_only=False"
+        )
+
+
+def check_frozen(module: nn.Module, *, key: str = "lora_only") -> None:
+    """Raise a ValueError when ``lora_only=True`` would replicate nothing: no parameter is frozen, so every one
+    would be sharded and trained as without it."""
+    params = list(module.parameters())
+    if params and all(p.requires_grad for p in params):
+        count = sum(p.numel() for p in params)
+        raise ValueError(
+            f"{key}=True replicates the frozen base and shards the trainable (LoRA) parameters, but nothing in the"
+            f" model is frozen: all {count:,} parameters would be sharded and trained. Give lora={{...}} (e.g."
+            " lora={'r': 16}; in Hydra strategy.lora.r=16) or apply LoRA yourself (peft.get_peft_model), or set"
+            f" {key}=False for a full fine-tune"
         )
 
 

@@ -247,10 +247,13 @@ class FSDPPlusOptions:
             return
         missing = [key for key in ("memory_budget", "plan_batch_size", "plan_seq_len") if getattr(self, key) is None]
         if missing:
+            meaning = {"memory_budget": "memory_budget: the memory per device to fit in, e.g. '40GiB' or 0.9",
+                       "plan_batch_size": "plan_batch_size: the sequences one rank's DataLoader yields per step",
+                       "plan_seq_len": "plan_seq_len: the longest sequence in tokens those batches carry"}  # fmt: skip
             raise ValueError(
-                f"sharding_strategy='auto' needs {', '.join(missing)}: the memory per device to fit in (e.g."
-                " memory_budget='40GiB' or 0.9) and the per-rank batch size and sequence length the activations are"
-                " planned for"
+                f"sharding_strategy='auto' needs {', '.join(missing)}: it picks the configuration whose peak memory"
+                f" for one step fits, so it must know {'; '.join(meaning[k] for k in missing)} (the Hydra app"
+                " fills the two plan sizes from data.batch_size and data.max_seq_len)"
             )
         if self.device_mesh is not None:
             raise ValueError(
@@ -318,6 +321,27 @@ class FSDPPlusOptions:
             check_hybrid_shard_size(hybrid_shard_size=hybrid, world_size=world_size)
         return resolve_mesh_layout(sharding_strategy=self._concrete, world_size=world_size,
                                    hybrid_shard_size=hybrid)  # fmt: skip
+
+
+AUTO_ONLY = ("memory_budget", "plan_batch_size", "plan_seq_len", "allow_quantize", "link_bandwidth")
+"""Options only the auto plan reads: given beside a pinned ``sharding_strategy`` they would do nothing."""
+
+
+def refuse_ignored(options: FSDPPlusOptions) -> None:
+    """Raise a ValueError for a combination in which an option would be silently ignored: an auto-plan option
+    (:data:`AUTO_ONLY`) beside a pinned ``sharding_strategy``. Called where users hand options in (the strategy, the
+    Hydra app), not on the copies the strategy and the plan make of them."""
+    if options.auto:
+        return
+    given = [key for key in AUTO_ONLY if getattr(options, key) not in (None, ())]
+    if given:
+        pinned = getattr(options.sharding_strategy, "value", options.sharding_strategy)
+        shown = ", ".join(f"{key}={getattr(options, key)!r}" for key in given)
+        raise ValueError(
+            f"{shown}: read only by sharding_strategy='auto', and sharding_strategy={pinned!r} is pinned, so"
+            f" {'it' if len(given) == 1 else 'they'} would be ignored; set sharding_strategy='auto' to let the plan"
+            f" choose within them, or drop {', '.join(given)}"
+        )
 
 
 def _given_layout(mesh: Any) -> MeshLayout | None:

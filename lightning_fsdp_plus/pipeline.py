@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_fsdp_plus._private import _materialize_distributed_module
 from lightning_fsdp_plus.compile import compile_spec_from
 from lightning_fsdp_plus.loading import load_pretrained_weights
-from lightning_fsdp_plus.lora import apply_lora, check_trainable, frozen_parameters, init_meta_adapters
+from lightning_fsdp_plus.lora import apply_lora, check_frozen, check_trainable, frozen_parameters, init_meta_adapters
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan, tied_parameters
 from lightning_fsdp_plus.policies import embedding_unit_paths, resolve_module_classes, select_unit_paths
@@ -54,6 +54,7 @@ def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
     init_meta_adapters(model)
     if options.lora_only:
         check_trainable(model)
+        check_frozen(model)
     kind = options.quantize_base
     if kind is None or any(isinstance(m, (Int8Linear, FourBitLinear)) for m in model.modules()):
         return

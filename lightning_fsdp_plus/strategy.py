@@ -51,7 +51,7 @@ from lightning_fsdp_plus.failures import announce_failure, start_failure_watch
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import find_peft_model
 from lightning_fsdp_plus.memory.allocator import report_allocator_once
-from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring
+from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring, refuse_ignored
 from lightning_fsdp_plus.pipeline import (
     batch_norms,
     build_sharded_model,
@@ -116,6 +116,7 @@ class FSDPPlusStrategy(ParallelStrategy):
         if sharding_strategy is not _UNSET:
             fields["sharding_strategy"] = sharding_strategy
         opts = options.replace(**fields) if options is not None else FSDPPlusOptions(**fields)
+        refuse_ignored(opts)
         super().__init__()
         self.options = opts
         self._process_group_backend: str | None = opts.process_group_backend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from datetime import timedelta
 
 import pytest
@@ -71,8 +72,10 @@ def test_defaults_and_normalisation():
         ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be true or false"),
         ({"sharding_strategy": "fastest"}, r"'fastest' is not one of FULL_SHARD, .*HYBRID_SHARD, or auto"),
         ({"sharding_strategy": "auto"}, "sharding_strategy='auto' needs memory_budget, plan_batch_size, plan_seq_len"),
-        ({"sharding_strategy": "AUTO", "memory_budget": "8GiB", "plan_batch_size": 1}, "needs plan_seq_len"),
-        ({"memory_budget": "lots"}, r"memory_budget='lots' is not a size \('40GiB', '24GB'.* or a fraction"),
+        ({"sharding_strategy": "AUTO", "memory_budget": "8GiB", "plan_batch_size": 1},
+         "needs plan_seq_len: it picks the configuration whose peak memory for one step fits, so it must know"
+         " plan_seq_len: the longest sequence in tokens those batches carry"),
+        ({"memory_budget": "lots"}, r"memory_budget='lots' is not a size \(a number of bytes.* or a fraction"),
         ({"memory_budget": 1.5}, "memory_budget=1.5 is not a size"),
         ({"memory_margin": 1.0}, r"memory_margin=1.0 must be a fraction of memory_budget in \[0, 1\)"),
         ({"allow_quantize": "int8"}, "allow_quantize='int8' must be a list of int8, nf4, fp4"),
@@ -127,3 +130,25 @@ def test_the_strategy_takes_an_options_object_and_keywords_override_it():
         FSDPPlusStrategy(shard_size=2)
     with pytest.raises(AttributeError, match="no attribute 'no_such_option'"):
         _ = strategy.no_such_option
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"memory_budget": "20GiB"}, "memory_budget='20GiB': read only by sharding_strategy='auto', and"
+         " sharding_strategy='FULL_SHARD' is pinned, so it would be ignored; set sharding_strategy='auto'"),
+        ({"sharding_strategy": "NO_SHARD", "plan_batch_size": 4, "allow_quantize": ["int8"]},
+         "plan_batch_size=4, allow_quantize=('int8',): read only by .* they would be ignored; .* or drop"
+         " plan_batch_size, allow_quantize"),
+    ],
+)  # fmt: skip
+def test_auto_plan_options_beside_a_pinned_strategy_are_refused_where_users_give_them(fields, message):
+    from lightning_fsdp_plus import FSDPPlusStrategy
+    from lightning_fsdp_plus.options import refuse_ignored
+
+    options = FSDPPlusOptions(**fields)  # the plan's own copies pin a strategy and keep the budget: allowed
+    with pytest.raises(ValueError, match=re.escape(message).replace(r"\.\*", ".*")):
+        refuse_ignored(options)
+    with pytest.raises(ValueError, match=re.escape(message).replace(r"\.\*", ".*")):
+        FSDPPlusStrategy(**fields)
+    refuse_ignored(options.replace(sharding_strategy="auto", memory_budget=0.9, plan_batch_size=1, plan_seq_len=8))

@@ -115,7 +115,7 @@ def test_lora_and_int8_argument_errors_at_construction(monkeypatch):
     assert FSDPPlusStrategy(quantize_base="fp4", quantize_double=True).quantize_double is True
     with pytest.raises(ValueError, match="quantize_skip='lm_head' must be a list"):
         FSDPPlusStrategy(quantize_skip="lm_head")
-    with pytest.raises(ValueError, match=r"lora: .*valid keys"):
+    with pytest.raises(ValueError, match=r"lora has 'rank', .*valid keys"):
         FSDPPlusStrategy(lora={"rank": 4})
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     with pytest.raises(ImportError, match="quantize_base='int8' needs bitsandbytes"):
@@ -135,6 +135,9 @@ def auto(**kwargs) -> FSDPPlusStrategy:
          r"lora.target_modules=\['query'\] matches no module; linear layers in the model: down_proj, gate_proj"),
         (lambda: FSDPPlusStrategy(lora_only=True), lambda: CausalLMModule(tiny_llama(0).requires_grad_(False)),
          "lora_only=True shards the trainable .* but the model has none"),
+        (lambda: FSDPPlusStrategy(lora_only=True), lambda: CausalLMModule(tiny_llama(0)),
+         r"lora_only=True replicates the frozen base .* nothing in the model is frozen: all [0-9,]+ parameters would"
+         r" be sharded and trained. Give lora=\{...\}"),
         (lambda: FSDPPlusStrategy(quantize_base="int8"), lambda: TinyLM(),
          r"quantize_base='int8' found no frozen layer it converts \(nn.Linear \(and subclasses with its forward\),"
          r" transformers Conv1D, bitsandbytes "

@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE)
+UNITS = {"B": 1, "KB": 10**3, "kB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+         "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # fmt: skip
+"""The units a size may carry, spelt exactly so ("Gb" is gigabits to many, "1G" is ambiguous: both refused)."""
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
 _MEANING = (
-    "a size ('40GiB', '24GB', '512MiB' or a number of bytes) or a fraction of the device's memory (0 < f <= 1,"
-    " or '90%')"
+    "a size (a number of bytes, or a number with one of B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB"
+    " (powers of 1024): '40GiB', '24 GB', '512MiB') or a fraction of the device's memory (0 < f <= 1, or '90%')"
 )
 
 
@@ -42,11 +43,11 @@ def parse_budget(value: Any, *, device_memory: int, key: str = "memory_budget") 
             raise bad from None
     if isinstance(value, str):
         match = _SIZE.match(value)
-        if match is None or match.group(2).lower() not in _UNITS:
+        if match is None or (match.group(2) and match.group(2) not in UNITS):
             raise bad
-        number, unit = float(match.group(1)), match.group(2).lower()
+        number, unit = float(match.group(1)), match.group(2)
         if unit or "." not in match.group(1):
-            size = int(number * _UNITS[unit])
+            size = int(number * UNITS.get(unit, 1))
             if size < 1:
                 raise bad
             return size

@@ -11,7 +11,7 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.options import FSDPPlusOptions, refuse_ignored
 from lightning_fsdp_plus.plan import AUTO
 from lightning_fsdp_plus.precision import check_precision
 
@@ -86,9 +86,11 @@ def strategy_options(strategy: Any) -> FSDPPlusOptions:
     values = OmegaConf.to_container(strategy, resolve=True) if OmegaConf.is_config(strategy) else dict(strategy)
     values.pop("_target_", None)
     try:
-        return FSDPPlusOptions(**values)
+        options = FSDPPlusOptions(**values)
+        refuse_ignored(options)
     except (ValueError, ImportError) as err:
         raise ConfigError(f"strategy.{err}") from None
+    return options
 
 
 def fill_auto_plan(cfg: Any) -> None:

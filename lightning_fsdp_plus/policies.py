@@ -3,7 +3,9 @@
 Accepted ``auto_wrap_policy`` values:
 
 - ``"auto"``: the classes in transformers' ``_no_split_modules`` of any ``PreTrainedModel`` inside the
-  model; otherwise the repeated module class with the most parameters per instance (a transformer block). With
+  model; otherwise torch's own blocks (``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer``: an
+  ``nn.Transformer`` has both) where the model has them, else the repeated module class with the most parameters
+  per instance (a transformer block). With
   it the strategy also makes the input embeddings and output head units of their own
   (:func:`embedding_unit_paths`, applied in :func:`~lightning_fsdp_plus.pipeline.plan_model`).
 - a list of module classes or class names, resolved against the model's own classes;
@@ -33,6 +35,8 @@ WrapPolicy: TypeAlias = (
 """Everything ``auto_wrap_policy`` accepts."""
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+TORCH_BLOCKS: tuple[type[nn.Module], ...] = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+"""torch's transformer blocks: units under ``"auto"`` wherever a model has them (subclasses included)."""
 
 
 def is_fsdp1_policy(value: Any) -> bool:
@@ -170,8 +174,11 @@ def select_unit_paths(model: nn.Module, policy: WrapPolicy, *, key: str = "auto_
         return _size_based_paths(model, min_num_params=policy["min_num_params"])
     if policy == "auto":
         names = [n for n in no_split_module_classes(model) if any(type(m).__name__ == n for m in model.modules())]
+        torch_blocks = {cls for cls in TORCH_BLOCKS if any(isinstance(m, cls) for m in model.modules())}
         if names:
             classes = resolve_module_classes(model, names, key=key)
+        elif torch_blocks:  # the largest repeated class would take only nn.Transformer's decoder layers
+            classes = torch_blocks
         else:
             block = largest_repeated_block_class(model)
             classes = {block} if block is not None else set()

@@ -94,3 +94,21 @@ def test_class_names_still_resolve_once_fsdp2_swapped_the_classes():
     model = nn.Sequential(Block(), Block())
     model[0].__class__ = FSDPBlock
     assert select_unit_paths(model, ["Block"]) == ["0", "1"]
+
+
+def test_auto_makes_every_torch_transformer_block_a_unit_encoder_and_decoder_alike():
+    """Lightning's docs language model (``lightning.pytorch.demos.Transformer``, an ``nn.Transformer``): the largest
+    repeated class alone is the decoder layer, which left the encoder layers in the root."""
+    from lightning.pytorch.demos import Transformer
+
+    model = Transformer(vocab_size=100, nlayers=2)
+    assert select_unit_paths(model, "auto") == [
+        "transformer.encoder.layers.0", "transformer.encoder.layers.1",
+        "transformer.decoder.layers.0", "transformer.decoder.layers.1",
+    ]  # fmt: skip
+
+    class MyLayer(nn.TransformerEncoderLayer):
+        pass
+
+    encoder = nn.TransformerEncoder(MyLayer(d_model=16, nhead=2), num_layers=3, enable_nested_tensor=False)
+    assert select_unit_paths(encoder, "auto") == ["layers.0", "layers.1", "layers.2"]

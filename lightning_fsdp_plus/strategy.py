@@ -60,7 +60,7 @@ from lightning_fsdp_plus.pipeline import (
     prepare_model,
     sync_batch_norm,
 )
-from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, build_sharding_plan, node_boundaries
+from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, ShardingStrategy, build_sharding_plan, node_boundaries
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, check_precision
 from lightning_fsdp_plus.preemption import (
     PreemptionSignals,
@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
 """The keyword arguments that are options (everything ``FSDPPlusOptions`` declares)."""
-_UNSET: Any = object()
+
 
 
 class FSDPPlusStrategy(ParallelStrategy):
@@ -87,7 +87,8 @@ class FSDPPlusStrategy(ParallelStrategy):
     Runs on CPU (gloo) and CUDA (nccl). The model is sharded in ``setup`` by the preparation pipeline
     (:mod:`~lightning_fsdp_plus.pipeline`) from a :class:`ShardingPlan`; ``strategy.sharding_plan`` returns it and
     rank 0 prints it. Every keyword argument is a field of :class:`~lightning_fsdp_plus.options.FSDPPlusOptions`
-    (pass ``options=`` to give them as one object); the arguments of Lightning's ``FSDPStrategy`` are accepted
+    (pass ``options=`` to give them as one object: its ``sharding_strategy`` holds unless the first argument names
+    another); the arguments of Lightning's ``FSDPStrategy`` are accepted
     too, mapped onto FSDP2 (:mod:`~lightning_fsdp_plus.compat`). Option values read as attributes:
     ``strategy.sharding_strategy``, ``strategy.lora``, ...
 
@@ -101,7 +102,7 @@ class FSDPPlusStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        sharding_strategy: Any = _UNSET,
+        sharding_strategy: str | ShardingStrategy = "FULL_SHARD",
         *,
         options: FSDPPlusOptions | None = None,
         accelerator: Any = None,
@@ -113,7 +114,7 @@ class FSDPPlusStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         fields = compat.options_kwargs(kwargs, fields=OPTION_FIELDS)
-        if sharding_strategy is not _UNSET:
+        if options is None or sharding_strategy != "FULL_SHARD":  # with options=: theirs unless another is named
             fields["sharding_strategy"] = sharding_strategy
         opts = options.replace(**fields) if options is not None else FSDPPlusOptions(**fields)
         refuse_ignored(opts)

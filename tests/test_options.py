@@ -72,9 +72,11 @@ def test_defaults_and_normalisation():
         ({"reshard_after_forward": 2}, "reshard_after_forward=2 must be true or false"),
         ({"sharding_strategy": "fastest"}, r"'fastest' is not one of FULL_SHARD, .*HYBRID_SHARD, or auto"),
         ({"sharding_strategy": "auto"}, "sharding_strategy='auto' needs memory_budget, plan_batch_size, plan_seq_len"),
-        ({"sharding_strategy": "AUTO", "memory_budget": "8GiB", "plan_batch_size": 1},
-         "needs plan_seq_len: it picks the configuration whose peak memory for one step fits, so it must know"
-         " plan_seq_len: the longest sequence in tokens those batches carry"),
+        (
+            {"sharding_strategy": "AUTO", "memory_budget": "8GiB", "plan_batch_size": 1},
+            "needs plan_seq_len: it picks the configuration whose peak memory for one step fits, so it must know"
+            " plan_seq_len: the longest sequence in tokens those batches carry",
+        ),
         ({"memory_budget": "lots"}, r"memory_budget='lots' is not a size \(a number of bytes.* or a fraction"),
         ({"memory_budget": 1.5}, "memory_budget=1.5 is not a size"),
         ({"memory_margin": 1.0}, r"memory_margin=1.0 must be a fraction of memory_budget in \[0, 1\)"),
@@ -126,6 +128,7 @@ def test_the_strategy_takes_an_options_object_and_keywords_override_it():
     assert strategy.sharding_strategy is ShardingStrategy.NO_SHARD
     assert strategy.lora_only and not strategy.log_grad_norm
     assert FSDPPlusStrategy("hybrid_shard").options.sharding_strategy is ShardingStrategy.HYBRID_SHARD
+    assert FSDPPlusStrategy("shard_grad_op", options=options).sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
     with pytest.raises(TypeError, match=r"unexpected argument 'shard_size'; valid arguments: .*auto_wrap_policy"):
         FSDPPlusStrategy(shard_size=2)
     with pytest.raises(AttributeError, match="no attribute 'no_such_option'"):

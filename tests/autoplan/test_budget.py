@@ -35,8 +35,8 @@ def test_sizes_and_fractions(value, expected):
 )
 def test_refusals_name_the_key_the_value_and_the_accepted_units(value):
     """Only the exact unit spellings: "1 Gb" was read as 1e9 bytes (953.7 MiB) though many mean gigabits by it."""
-    with pytest.raises(ValueError, match=rf"memory_budget={re.escape(repr(value))} is not a size \(a number of bytes,"
-                                         r" or a number with one of B, KB, MB, GB, TB .* KiB, MiB, GiB, TiB .*fraction"):
+    forms = r"a number of bytes, or a number with one of B, KB, MB, GB, TB .* KiB, MiB, GiB, TiB .*fraction"
+    with pytest.raises(ValueError, match=rf"memory_budget={re.escape(repr(value))} is not a size \({forms}"):
         parse_budget(value, device_memory=1000)
 
 

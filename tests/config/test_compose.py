@@ -89,7 +89,8 @@ def test_strategy_presets_instantiate_the_intended_strategy(preset):
     assert sorted(EXPECTED) == options("strategy")
     cfg = compose("config", overrides=[f"strategy={preset}"])
     if preset.startswith("auto"):  # the budget is the one thing the auto presets cannot know
-        with pytest.raises(ConfigError, match=r"strategy\.sharding_strategy='auto' needs memory_budget: .* memory_budget: the memory"):
+        needs = r"strategy\.sharding_strategy='auto' needs memory_budget: .* memory_budget: the memory"
+        with pytest.raises(ConfigError, match=needs):
             validate_run_config(cfg)
         cfg = compose("config", overrides=[f"strategy={preset}", "strategy.memory_budget=40GiB"])
         validate_run_config(cfg)  # plans for the data's batch and sequence length

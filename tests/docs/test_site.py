@@ -46,6 +46,12 @@ def test_the_site_builds_strict_with_the_guide_the_generated_reference_and_the_m
     strategy = (site / "reference" / "strategy" / "index.html").read_text()
     assert 'class="doc-signature' in strategy and "sharding_plan" in strategy  # generated from the code
     assert ":class:" not in strategy and ":mod:" not in strategy  # Sphinx roles shown as code (the hook)
+    import html
+    import re
+
+    signature = html.unescape(re.sub(r"<[^>]+>", "", strategy))
+    assert re.search(r'sharding_strategy: str\s*\|\s*ShardingStrategy = "FULL_SHARD"', signature)  # the real default
+    assert "_UNSET" not in signature  # not a sentinel of ours
     options = (site / "reference" / "options" / "index.html").read_text()
     assert "<code>reshard_root_after_forward</code>" in options  # the generated options table
     changelog = (site / "changelog" / "index.html").read_text()
@@ -125,3 +131,25 @@ def test_pages_render_in_a_real_browser(site, tmp_path, page, expected):
     body = image[120:, 280:1000]
     dark = (body.mean(axis=2) < 0.5).mean()
     assert 0.005 < dark < 0.5, dark  # text on a light page: neither blank nor a solid block
+
+
+def test_names_in_the_first_column_of_a_table_are_never_broken_across_lines(site, tmp_path):
+    """In Chromium at a laptop's width, every name in the options table's first column lays out on one line (the
+    theme let inline code break anywhere: "sharding_st / rategy")."""
+    page = site / "reference" / "options" / "index.html"
+    probe = """<script>
+      const names = [...document.querySelectorAll('.md-typeset table td:first-child code')];
+      const broken = names.filter(c => c.getClientRects().length > 1).map(c => c.textContent);
+      document.body.setAttribute('data-names', String(names.length));
+      document.body.setAttribute('data-broken', broken.join(','));
+    </script></body>"""
+    probed = page.with_name("probed.html")
+    probed.write_text(page.read_text().replace("</body>", probe, 1))
+    dom = _chromium("--window-size=1024,800", "--virtual-time-budget=5000", "--dump-dom", probed.as_uri())
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    import re
+
+    names = re.search(r'data-names="(\d+)"', dom.stdout)
+    broken = re.search(r'data-broken="([^"]*)"', dom.stdout)
+    assert names and int(names.group(1)) >= 30, dom.stdout[-2000:]  # the options table's rows were looked at
+    assert broken and broken.group(1) == "", broken.group(1) if broken else dom.stdout[-2000:]

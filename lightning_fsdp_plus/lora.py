@@ -8,6 +8,7 @@ sharded model, so ``peft.PeftModel.from_pretrained`` loads it onto a plain base 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -141,7 +142,9 @@ def apply_lora(module: nn.Module, lora: Any) -> str:
     path, host = _lora_host(module)
     config = with_task_type(make_lora_config(lora), host)
     check_target_modules(host, config)
-    with adapters_stay_real():
+    # PEFT asks for transformers' deprecated `is_gradient_checkpointing`: a FutureWarning no user can act on
+    with adapters_stay_real(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
         module.set_submodule(path, get_peft_model(host, config))
     return path
 

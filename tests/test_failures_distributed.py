@@ -98,6 +98,8 @@ def test_one_rank_failing_in_the_app_writes_its_traceback_to_failed_txt_and_ever
     assert failed.startswith(f"the run failed on rank 1: {message}") and "Traceback (most recent call last)" in failed
     assert "rank 0 stopped because of it" in failed  # the other rank's own error follows, never replaces it
     assert message in (run_dir / "train_ddp_process_1.log").read_text()  # the failing rank's log
+    # each rank's traceback on the console once (Hydra's); the app's failure record goes to the files only
+    assert output.count("Traceback (most recent call last)") == 2, failure_excerpt(output)
     assert f"rank 1 failed first: {message}" in (run_dir / "train.log").read_text()  # rank 0's log
     assert message in output and "Timed out" not in output
     assert list(run_dir.glob("**/memory_summary.exception.rank1.txt"))  # the monitor's summary, written locally

@@ -72,19 +72,28 @@ def test_multirun_launches_exactly_its_own_ranks_per_job_and_summarises(tmp_path
 
 
 BAD_INPUT = {  # the exit status and the output's shape, for each path an error takes (every message: tests/config)
-    "strategy.nosuchkey=1": ("strategy.nosuchkey", "not in 'StrategySchema'"),  # Hydra, composing
-    "strategy.hybrid_shard_size=3": ("strategy.hybrid_shard_size=3", "valid choices: 1, 2"),  # our validation
-    "model.name_or_path=/nonexistent/dir": ("model.name_or_path='/nonexistent/dir'", "a local model directory"),
-}
+    ("strategy.nosuchkey=1",): ("strategy.nosuchkey", "not in 'StrategySchema'"),  # Hydra, composing
+    ("strategy.hybrid_shard_size=3",): ("strategy.hybrid_shard_size=3", "valid choices: 1, 2"),  # our validation
+    ("model.name_or_path=/nonexistent/dir",): ("model.name_or_path='/nonexistent/dir'", "a local model directory"),
+    # found in the strategy's setup, inside the processes: one block too, the traceback only in failed.txt
+    ("strategy.auto_wrap_policy=[NoSuchBlockClass]",): ("module class 'NoSuchBlockClass' is not in the model",
+                                                        "candidates: "),
+    ("experiment=medical_lora", "strategy=auto_lora", "strategy.memory_budget=64KiB"): (
+        "memory_budget=64KiB leaves 57.6 KiB per device", "Closest: "),
+    # a hub id that is not cached, offline (HF_HUB_OFFLINE=1 below): no retries, no tokenizer traceback
+    ("model.name_or_path=nosuch-org/nosuch-model",): ("model.name_or_path='nosuch-org/nosuch-model' is not a local"
+                                                      " directory, not in the Hugging Face cache", "HF_HUB_OFFLINE=1"),
+}  # fmt: skip
 
 
 def test_bad_input_exits_2_with_a_short_error_naming_key_and_choices_and_help_lists_the_groups(tmp_path):
     def start(*args: str) -> subprocess.Popen:
-        return subprocess.Popen([str(CONSOLE_SCRIPT), *args], cwd=tmp_path, env=subprocess_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        env = subprocess_env() | {"HF_HUB_OFFLINE": "1"}
+        return subprocess.Popen([str(CONSOLE_SCRIPT), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
 
     helped = start("--help")  # all at once: each mostly imports
-    procs = {o: start(o, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / str(i)}") for i, o in enumerate(BAD_INPUT)}
+    procs = {o: start(*o, "trainer.max_steps=1", f"hydra.run.dir={tmp_path / str(i)}") for i, o in enumerate(BAD_INPUT)}
     for i, (override, proc) in enumerate(procs.items()):
         out, err = proc.communicate(timeout=300)
         text = out + err

@@ -314,12 +314,25 @@ def log_to_run_files() -> None:
                 target.addHandler(handler)
 
 
-def record_failure(err: BaseException, *, with_traceback: bool = True) -> None:
-    """Say why the run failed, in this rank's log and the run directory's ``failed.txt``: the run's first failure
-    with its traceback (none for a value error: its message is the whole story). When another rank failed first
-    (this rank's error, e.g. gloo's "Connection closed by peer", follows from it), that rank's error is the one
-    reported, and this rank's own is added after it; a failure that follows never replaces the first one's
-    ``failed.txt``."""
+USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, InstantiationException, ValueError, FileNotFoundError)
+"""What a user's input causes (a bad value, a model or file that is not there, a budget nothing fits, ...): reported
+as one ``Error:`` block on the console with exit status 2; the traceback goes to ``failed.txt`` and the log."""
+
+
+def _log_to_files(text: str) -> None:
+    """``text`` as an error record in the run's log files only (the console gets the short form, or Hydra's)."""
+    record = logging.getLogger(__name__).makeRecord(__name__, logging.ERROR, __file__, 0, text, None, None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
+def record_failure(err: BaseException, *, with_traceback: bool = True) -> bool:
+    """Say why the run failed, in this rank's log file and the run directory's ``failed.txt``: the run's first
+    failure with its traceback (none for a configuration error: its message is the whole story). When another rank
+    failed first (this rank's error, e.g. gloo's "Connection closed by peer", follows from it), that rank's error is
+    the one reported, and this rank's own is added after it; a failure that follows never replaces the first one's
+    ``failed.txt``. Returns whether this rank's failure is the run's first (the one to show on the console)."""
     mine, first = report_failure(err)  # through the store, never a collective (failures.py)
     if first.rank == mine.rank:
         trace = f"\n\n{mine.traceback}" if with_traceback else ""
@@ -327,7 +340,7 @@ def record_failure(err: BaseException, *, with_traceback: bool = True) -> None:
     else:
         text = (f"the run failed: {first.headline()}\n\n{first.traceback}\nrank {mine.rank} stopped because of it"
                 f" with {mine.error}")  # fmt: skip
-    logging.getLogger(__name__).error(text)
+    _log_to_files(text)
     with contextlib.suppress(OSError, ValueError):  # ValueError: no Hydra run directory (outside the app)
         path = Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE
         if first.rank == mine.rank or not path.exists():
@@ -335,6 +348,15 @@ def record_failure(err: BaseException, *, with_traceback: bool = True) -> None:
         else:
             with path.open("a") as file:
                 file.write(f"rank {mine.rank} stopped because of it with {mine.error}\n")
+    return first.rank == mine.rank
+
+
+def user_error_message(err: BaseException, *, traced: bool) -> str:
+    """The console's block for a user's mistake: the error, and where its traceback is."""
+    where = ""
+    with contextlib.suppress(ValueError):  # no Hydra run directory (outside the app)
+        where = f"the traceback is in {Path(HydraConfig.get().runtime.output_dir) / FAILED_FILE}; " if traced else ""
+    return f"Error: {err}\n({where}set HYDRA_FULL_ERROR=1 to raise it here)"
 
 
 def run(cfg: DictConfig) -> dict[str, Any] | None:
@@ -347,17 +369,19 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
         if HydraConfig.get().mode == RunMode.MULTIRUN:
             return run_job_in_subprocess()
         return train(cfg)
-    except (ConfigError, InstantiationException) as err:
-        record_failure(err, with_traceback=False)
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"Error: {err}\n(set HYDRA_FULL_ERROR=1 for the full traceback)", file=sys.stderr)
-        sys.exit(2)
     except JobStopped as err:  # stopped and saved on a signal: not a failure (no failed.txt)
         logging.getLogger(__name__).warning(str(err))
         raise
+    except USER_ERRORS as err:
+        traced = not isinstance(err, (ConfigError, InstantiationException))
+        first = record_failure(err, with_traceback=traced)
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if first:  # every rank may meet the same mistake: it is said once
+            print(user_error_message(err, traced=traced), file=sys.stderr)
+        sys.exit(2)
     except Exception as err:
-        record_failure(err)
+        record_failure(err)  # the console gets its traceback once, from Hydra
         raise
 
 

@@ -249,3 +249,20 @@ def test_a_config_built_model_without_a_vocabulary_size_or_a_tokenizer_to_take_i
     with pytest.raises(ConfigError, match=r"model.config.vocab_size is null .* set model.config.vocab_size=N"):
         build_module(cfg.model)
     assert build_module(cfg.model, tokenizer=list(range(300))).model.config.vocab_size == 300  # len(tokenizer)
+
+
+def test_a_hub_id_neither_cached_nor_reachable_is_refused_at_once(monkeypatch):
+    """No network (a closed port stands for it): one ConfigError saying what to do, not minutes of retries."""
+    from huggingface_hub import constants
+
+    from lightning_fsdp_plus.app.config.validate import check_hub_id, hub_reachable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    assert not hub_reachable(timeout=1)
+    with pytest.raises(ConfigError, match=r"model.name_or_path='nosuch-org/nosuch-model' is not a local directory,"
+                                          r" not in the Hugging Face cache \(.*\), and http://127.0.0.1:9 cannot be"
+                                          r" reached: give a local model directory"):  # fmt: skip
+        check_hub_id("nosuch-org/nosuch-model")
+    with pytest.raises(ConfigError, match=r"is neither a local directory nor a valid Hugging Face model id"):
+        check_hub_id("not a/valid//id")

@@ -77,6 +77,47 @@ def check_model(model: Any) -> None:
                 read_checkpoint(path)  # safetensors present, index complete, headers readable
             except PretrainedLoadError as err:
                 raise ConfigError(f"model.name_or_path: {err}") from None
+    elif name is not None:
+        check_hub_id(str(name))
+
+
+def hub_reachable(*, timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub can be asked at all: not ``HF_HUB_OFFLINE``, and its host resolves and accepts a
+    connection within ``timeout`` seconds."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
+def check_hub_id(name: str) -> None:
+    """A hub id the run can load: in the local Hugging Face cache, or the Hub reachable. Otherwise one clear
+    ConfigError now, rather than minutes of retries and a traceback from the tokenizer or the model."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except HFValidationError as err:
+        raise ConfigError(f"model.name_or_path={name!r} is neither a local directory nor a valid Hugging Face model"
+                          f" id (org/name): {err}") from None  # fmt: skip
+    if isinstance(cached, str) or hub_reachable():
+        return
+    why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else f"{constants.ENDPOINT} cannot be reached"
+    raise ConfigError(
+        f"model.name_or_path={name!r} is not a local directory, not in the Hugging Face cache"
+        f" ({constants.HF_HUB_CACHE}), and {why}: give a local model directory (saved with save_pretrained), or"
+        f" download it first where there is a network (huggingface-cli download {name})"
+    )
 
 
 def strategy_options(strategy: Any) -> FSDPPlusOptions:

@@ -6,6 +6,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fsdp_plus import _bnb_notice  # noqa: F401  (first of ours: before peft imports bitsandbytes)
+from lightning_fsdp_plus._warnings import silence_unactionable
 from lightning_fsdp_plus.clipping import clip_grad_norm_across_shards, grad_norm_across_shards
 from lightning_fsdp_plus.plan import (
     FSDPUnit,
@@ -34,6 +35,8 @@ __all__ = [
     "clip_grad_norm_across_shards",
     "grad_norm_across_shards",
 ]
+
+silence_unactionable()
 
 if FSDPPlusStrategy.strategy_name not in StrategyRegistry:
     # Not FSDPStrategy.register_strategies: its class-level list would trigger Lightning's GPU-only check.

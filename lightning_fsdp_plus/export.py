@@ -9,8 +9,9 @@ Runs in one process without GPUs: sharded checkpoints are consolidated with torc
 attribute prefix, so a transformers model loads them); ``adapter`` writes ``OUT/adapter_config.json`` and
 ``OUT/adapter_model.safetensors`` for ``peft.PeftModel.from_pretrained``. ``--merge`` writes a whole model for
 ``AutoModelForCausalLM.from_pretrained`` (safetensors, config, the base's tokenizer): the LoRA update merged into
-the base's original float weights (never into int8 or 4-bit ones the run trained on); ``--base`` defaults to the
-run's ``model.name_or_path`` (read from the Hydra run directory the checkpoint is in).
+the base's original float weights (never into int8 or 4-bit ones the run trained on), or a full fine-tune's
+weights; ``--base`` defaults to the run's ``model.name_or_path`` (read from the Hydra run directory the checkpoint is
+in).
 """
 
 from __future__ import annotations
@@ -115,15 +116,33 @@ def run_base(checkpoint_path: Path) -> Path:
     )
 
 
+def _fine_tuned_whole(checkpoint: dict[str, Any], *, base: Path | str) -> Any:
+    """A full fine-tune's weights in the base's architecture (config from ``base``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    state = strip_common_prefix(checkpoint["state_dict"], "auto")  # the LightningModule's attribute prefix
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
+    if unexpected or set(missing) - tied:
+        raise CheckpointError(f"the checkpoint's weights do not fit {base}: missing {sorted(set(missing) - tied)[:5]},"
+                              f" unexpected {sorted(unexpected)[:5]}; give --base PATH, the model it was trained from")
+    return model
+
+
 def export_merged(checkpoint: dict[str, Any], out: Path, *, base: Path | str) -> Path:
-    """Write the base with the run's LoRA merged in, as a transformers model directory."""
+    """Write a whole transformers model directory: the base with the run's LoRA merged in, or a full fine-tune's
+    weights in the base's architecture; the base's tokenizer beside them."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
-        adapter = export_adapter(checkpoint, Path(tmp) / "adapter")
-        model = AutoModelForCausalLM.from_pretrained(base)  # the original float weights, in their dtype
-        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        if checkpoint.get("fsdp_plus", {}).get("peft") is None:  # a full fine-tune: nothing to merge
+            merged = _fine_tuned_whole(checkpoint, base=base)
+        else:
+            adapter = export_adapter(checkpoint, Path(tmp) / "adapter")
+            model = AutoModelForCausalLM.from_pretrained(base)  # the original float weights, in their dtype
+            merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
     out.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(out, safe_serialization=True)
     with contextlib.suppress(OSError, ValueError):  # a base without a tokenizer: the weights are still complete
@@ -140,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("out", type=Path)
     parser.add_argument("--format", choices=("auto", "state_dict", "adapter"), default="auto")
     parser.add_argument("--strip-prefix", default="auto", help='prefix removed from weight names ("" keeps them)')
-    parser.add_argument("--merge", action="store_true", help="a LoRA run: write the base with the adapter merged in")
+    parser.add_argument("--merge", action="store_true",
+                        help="a whole model: a LoRA run's base with the adapter merged in, or a full fine-tune's"
+                             " weights with the base's config and tokenizer")  # fmt: skip
     parser.add_argument("--base", help="--merge: the float base model (default: the run's model.name_or_path)")
     return parser
 

@@ -4,6 +4,6 @@
 # e.g. `bash scripts/demo.sh experiment=legal_lora` or `bash scripts/demo.sh trainer.max_steps=500`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh run  # the runtime, the Hydra app and tcmalloc: no test tooling, no browser
 source scripts/malloc.sh  # tcmalloc when installed: less resident memory, faster CPU steps
 exec .venv/bin/fsdp-plus-train experiment=medical_lora "$@"

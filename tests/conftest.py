@@ -26,6 +26,20 @@ LONGEST_FIRST = (
 """Work units that start first (their names or node ids contain one of these, in this order): the shared launches
 and the longest single tests, so that no worker starts a long unit while the others have nothing left; the short
 tests fill in at the end (measured: ``PYTEST_ADDOPTS=--durations=0``)."""
+QUICK_LEAVES_OUT = (
+    "tests/slurm/", "_distributed.py", "tests/test_train_app.py", "tests/test_multinode.py", "tests/examples/",
+    "tests/benchmarks/test_run_smoke.py", "tests/lightning_compat/test_integration.py", "tests/docs/test_site.py",
+    "tests/docs/test_readme_scripts.py",
+)  # fmt: skip
+"""What ``--quick`` (``bash scripts/test.sh --quick``) leaves out: the files whose tests start processes — a real
+controller, 2-rank launches, the app end to end, the docs site in a browser — most of the suite's time."""
+QUICK_LAUNCHES = (
+    "tests/test_failures_distributed.py::test_one_rank_failing_in_a_plain_trainer_script_ends_every_rank_with_its_message[forward-1]",
+    "tests/test_checkpoint_distributed.py::test_two_ranks_reshard_to_one_with_another_sharding_strategy",
+    "tests/test_train_app.py::test_bad_input_exits_2_with_a_short_error_naming_key_and_choices_and_help_lists_the_groups",
+)  # fmt: skip
+"""What ``--quick`` keeps of them: one short launch per major feature (a failing rank ends every rank; a sharded
+checkpoint written on 2 ranks resumes on 1; the app's errors); the single-process tests of every module stay."""
 LORA_KINDS = ("lora_int8", "lora_nf4")
 """The LoRA checkpoint scenarios: a replicated int8 base (adapter-only checkpoint) and a sharded NF4 one."""
 
@@ -54,11 +68,34 @@ def _shared_fixtures(item: pytest.Item) -> list[str]:
     return shared
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--quick``: the quick lane (:func:`_quick_lane`)."""
+    parser.addoption("--quick", action="store_true", default=False,
+                     help="every module's single-process tests and one launch per major feature")  # fmt: skip
+
+
+def _quick_lane(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--quick``, deselect what :data:`QUICK_LEAVES_OUT` names, except :data:`QUICK_LAUNCHES`."""
+    if not config.getoption("--quick"):
+        return
+    kept, left = [], []
+    for item in items:
+        out = any(part in item.nodeid for part in QUICK_LEAVES_OUT) and item.nodeid not in QUICK_LAUNCHES
+        (left if out else kept).append(item)
+    missing = [nodeid for nodeid in QUICK_LAUNCHES if nodeid not in {item.nodeid for item in kept}]
+    if missing and len(items) > len(QUICK_LAUNCHES):  # a whole-suite collection must find each kept launch
+        raise pytest.UsageError(f"--quick keeps tests that no longer exist: {missing}")
+    config.hook.pytest_deselected(items=left)
+    items[:] = kept
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups into the node ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Work units for ``pytest -n N --dist loadgroup`` (``scripts/test.sh``): tests that read one launch (a module or
     session fixture of ours) form one unit, run by one worker, so the launch happens once; every other test is a
-    unit of its own. Units are ordered longest first (:data:`LONGEST_FIRST`)."""
+    unit of its own. Units are ordered longest first (:data:`LONGEST_FIRST`). ``--quick`` first deselects the
+    launches it leaves out."""
+    _quick_lane(config, items)
     if not config.pluginmanager.hasplugin("xdist"):
         return
     parent: dict[str, str] = {}

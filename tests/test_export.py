@@ -24,3 +24,25 @@ def test_the_base_of_a_shipped_experiments_run_is_found_in_a_fresh_process(tmp_p
         assert run_base(run / "checkpoints" / "last.ckpt") == REPO / "examples" / "assets" / "tiny-llama"
     finally:
         register_shipped_resolver()
+
+
+def test_merge_of_a_full_fine_tune_writes_its_weights_in_the_base_architecture(tmp_path: Path):
+    """No adapter to merge: the checkpoint's own weights (LightningModule prefix dropped, tied head kept tied) with
+    the base's config, loadable by transformers; weights of another model are refused."""
+    import pytest
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lightning_fsdp_plus.export import CheckpointError, export_merged
+    from tests.helpers.models import tiny_llama
+
+    base, tuned = tiny_llama(0, tied=True), tiny_llama(1, tied=True)
+    base.save_pretrained(tmp_path / "base")
+    checkpoint = {"state_dict": {f"model.{k}": v for k, v in tuned.state_dict().items() if k != "lm_head.weight"}}
+    export_merged(checkpoint, tmp_path / "out", base=tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for name, tensor in tuned.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    other = {"state_dict": {"model.model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}}
+    with pytest.raises(CheckpointError, match=r"do not fit .* unexpected"):
+        export_merged(other, tmp_path / "bad", base=tmp_path / "base")

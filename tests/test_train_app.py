@@ -156,8 +156,9 @@ def _walkthrough_script(block: str, *, outputs: Path) -> str:
 
 
 def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
-    """A new user's loop, run from the README's own block: 10 lines of their own JSONL, a LoRA fine-tune, resumed
-    with ckpt_path=last, evaluated only, exported as one merged model, and asked a question."""
+    """A new user's loop, run from the README's own block: 10 lines of their own JSONL, a full fine-tune, resumed
+    with ckpt_path=last and still improving, evaluated only, exported as one transformers model, and asked one of its
+    own questions: it answers it."""
     outputs = tmp_path / "outputs"
     script = _walkthrough_script(doc_block("walkthrough"), outputs=outputs)
     proc = subprocess.run(["bash", "-c", script], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
@@ -170,21 +171,22 @@ def test_the_readme_walkthrough_own_data_train_resume_merge_generate(tmp_path):
     assert 0 < metrics["model_state_bytes_per_rank"] < metrics["peak_bytes_per_rank"] and metrics["tokens_per_s"] > 0
     assert math.isclose(metrics["val_perplexity"], math.exp(metrics["val_loss"]), rel_tol=1e-3)
     assert metrics["val_loss"] < metrics["base_val_loss"]  # it learned something from ten lines
-    assert torch.load(outputs / "after-1" / "meta.pt", weights_only=True)["global_step"] == 8
+    assert torch.load(outputs / "after-1" / "meta.pt", weights_only=True)["global_step"] == 60
     assert (run_dir / "csv").is_dir() and (run_dir / "train_ddp_process_1.log").exists()  # rank 1 ran here
     assert "Sharding plan: FULL_SHARD" in (run_dir / "train.log").read_text()  # Lightning's lines reach the log file
-    # resumed: 8 steps, then 4 more
+    # resumed: 60 steps, then 40 more, and the held-out perplexity still falls (it rose from 10.32 to 14.88 before)
     assert "Restored all states" in proc.stdout + proc.stderr
-    assert torch.load(outputs / "after-2" / "meta.pt", weights_only=True)["global_step"] == 12
+    assert torch.load(outputs / "after-2" / "meta.pt", weights_only=True)["global_step"] == 100
     trained = json.loads((outputs / "after-2" / "metrics.json").read_text())
+    assert trained["val_perplexity"] < metrics["val_perplexity"]
     # evaluate only (train=false): the same held-out data, the same loss, nothing trained or saved
     evaluated = json.loads((outputs / "after-3" / "metrics.json").read_text())
     assert evaluated["mode"] == "evaluate" and evaluated["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6)
     assert (outputs / "after-3" / "meta.pt").read_bytes() == (outputs / "after-2" / "meta.pt").read_bytes()
-    # merged (base + LoRA) and asked: the last line is the generator's answer
+    # exported as a whole model and asked: the last line is the generator's answer, learnt from the ten lines
     assert (outputs / "merged" / "config.json").is_file()
     answer = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert answer["instruction"] == "What is 3 plus 3?" and isinstance(answer["answer"], str)
+    assert answer == {"instruction": "What is 3 plus 3?", "answer": "6."}
 
 
 def test_own_data_in_one_line_with_the_default_model_a_sharegpt_chat_file_checkpoints_by_steps_loggers(tmp_path):

@@ -21,7 +21,6 @@ from tests.helpers.docs import (
     Block,
     all_blocks,
     command_lines,
-    doc_block,
     doc_commands,
     join_continuations,
     marker_problems,
@@ -65,17 +64,6 @@ def test_the_readme_is_short_and_its_test_command_is_what_ci_runs():
     # every link into docs/ names a page that exists
     for target in re.findall(r"\]\((docs/[^)#]+)", readme):
         assert (REPO / target).is_file(), target
-
-
-def test_the_readmes_lora_block_runs_as_written(monkeypatch):
-    """Built for real: PEFT's LoRA and 4-bit settings validate, the tiny Llama is built on meta from its files."""
-    monkeypatch.chdir(REPO)
-    namespace: dict = {}
-    exec(compile(doc_block("lora"), "README.md:lora", "exec"), namespace)
-    strategy, trainer = namespace["strategy"], namespace["trainer"]
-    assert trainer.strategy is strategy and strategy.quantize_base == "nf4" and not strategy.lora_only
-    assert strategy.lora.r == 16 and trainer.max_steps == 100
-    assert namespace["module"].model.config.model_type == "llama"
 
 
 def test_the_readmes_estimate_block_runs():

@@ -1,0 +1,18 @@
+"""Warnings a user of this package cannot act on, silenced by message where they arise (never by category alone).
+
+* Lightning 2.6's batch-transfer helper builds ``torch.utils._pytree.LeafSpec()``, which torch 2.13 deprecates:
+  "`isinstance(treespec, LeafSpec)` is deprecated" twice a run, from Lightning's code, about Lightning's code.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+UNACTIONABLE = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),)
+"""(message pattern, module pattern) of each silenced warning."""
+
+
+def silence_unactionable() -> None:
+    """Ignore each of :data:`UNACTIONABLE` (idempotent: ``warnings`` keeps one filter per identical entry)."""
+    for message, module in UNACTIONABLE:
+        warnings.filterwarnings("ignore", message=message, module=module)

@@ -1,7 +1,7 @@
 """One training step as a timeline of moments, and the live bytes of each: the estimator's peak is the largest.
 
-Moments, in order: each FSDP unit's forward (execution order), the loss, each unit's backward (reverse order), the
-optimizer step. At each one the live tensors of a rank are
+Moments, in order: the root's all-gather, each FSDP unit's forward (execution order), the loss, each unit's backward
+(reverse order), the optimizer step. At each one the live tensors of a rank are
 
 * always: the stored parameters (shards, replicated ones) and the optimizer state;
 * in forward: the activations saved so far, the gathered copy of every unit that stays gathered after its forward
@@ -111,6 +111,9 @@ def step_timeline(
         return sum(u.gathered for u in units[:upto] if not u.reshards)
 
     root_kept = root.gathered
+    # the step begins with the root's all-gather: its gathered copy and, on gloo, the temporary it was gathered into
+    # (traced at Qwen2.5's tied 152k vocabulary: the root's 445 MiB twice, the step's peak)
+    add("forward <root>", gathered=root.gathered, transient=gather_copies * root.gathered)
     for i, unit in enumerate(units):
         ahead = units[i + 1].gathered if prefetch and i + 1 < len(units) and units[i + 1].reshards else 0
         add(f"forward {unit.path}", activations=root.activations + sum(u.activations for u in units[: i + 1]),

@@ -21,8 +21,8 @@ def test_moments_follow_the_step_and_the_peak_is_the_largest_one():
     root = UnitCost(path="", gathered=7, unsharded_grads=0, grad_shards=0, reshards=False, activations=0)
     moments = step_timeline(units=_units(True), root=root, stored=300, optimizer=30, optimizer_temporaries=15)
     names = [m.name for m in moments]
-    assert names == ["forward b0", "forward b1", "forward b2", "loss", "backward b2", "backward b1", "backward b0",
-                     "backward <root>", "optimizer step"]  # fmt: skip
+    assert names == ["forward <root>", "forward b0", "forward b1", "forward b2", "loss", "backward b2", "backward b1",
+                     "backward b0", "backward <root>", "optimizer step"]  # fmt: skip
     assert peak_moment(moments).bytes == max(m.bytes for m in moments)
     by_name = {m.name: m for m in moments}
     # backward b2: every activation still alive, b2 gathered again, b1 prefetched, b2's gradients, 2 x its largest
@@ -32,6 +32,9 @@ def test_moments_follow_the_step_and_the_peak_is_the_largest_one():
     # b2's activations are freed once its backward ran; its gradient shard stays
     assert by_name["backward b1"].parts["activations"] == 2000 and by_name["backward b1"].parts["grads"] == 5 + 10 + 10
     assert by_name["optimizer step"].parts == {"stored": 300, "optimizer": 30, "grads": 15, "transient": 15}
+    # the step begins with the root's all-gather; on gloo the buffer it was gathered into is alive beside it
+    gloo = {m.name: m for m in step_timeline(units=_units(True), root=root, stored=300, optimizer=30, gather_copies=1)}
+    assert gloo["forward <root>"].parts == {"stored": 300, "optimizer": 30, "gathered": 7, "transient": 7}
 
 
 def test_units_kept_gathered_add_up_in_forward_and_gloo_copies_count_while_gathering():

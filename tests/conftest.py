@@ -29,10 +29,17 @@ tests fill in at the end (measured: ``PYTEST_ADDOPTS=--durations=0``)."""
 QUICK_LEAVES_OUT = (
     "tests/slurm/", "_distributed.py", "tests/test_train_app.py", "tests/test_multinode.py", "tests/examples/",
     "tests/benchmarks/test_run_smoke.py", "tests/lightning_compat/test_integration.py", "tests/docs/test_site.py",
-    "tests/docs/test_readme_scripts.py",
+    "tests/docs/test_readme_scripts.py", "tests/scripts/test_quick_lane.py",  # (collects the suite twice: 23 s)
+    # tests that read the strategy cases' launch, and the slowest single-process tests (measured: 28-36 s each) of
+    # modules whose other tests stay
+    "tests/test_compat.py::test_fsdpstrategy_arguments_train_like_the_native_ones",
+    "tests/test_compile.py::test_compiled_int8_layers_recompute_their_float_weight_in_backward",
+    "tests/memory/test_estimate.py::test_budget_prints_the_auto_plans_table_for_llama_3_8b_on_eight_gpus",
+    "tests/docs/test_blocks.py::test_command_blocks_compose_validate_and_run[docs/autoplan.md",
 )  # fmt: skip
-"""What ``--quick`` (``bash scripts/test.sh --quick``) leaves out: the files whose tests start processes — a real
-controller, 2-rank launches, the app end to end, the docs site in a browser — most of the suite's time."""
+"""What ``--quick`` (``bash scripts/test.sh --quick``) leaves out (substrings of node ids): the files whose tests
+start processes — a real controller, 2-rank launches, the app end to end, the docs site in a browser — most of the
+suite's time, and a few slow single tests."""
 QUICK_LAUNCHES = (
     "tests/test_failures_distributed.py::test_one_rank_failing_in_a_plain_trainer_script_ends_every_rank_with_its_message[forward-1]",
     "tests/test_checkpoint_distributed.py::test_two_ranks_reshard_to_one_with_another_sharding_strategy",

@@ -2,13 +2,18 @@
 
 * Lightning 2.6's batch-transfer helper builds ``torch.utils._pytree.LeafSpec()``, which torch 2.13 deprecates:
   "`isinstance(treespec, LeafSpec)` is deprecated" twice a run, from Lightning's code, about Lightning's code.
+* torchdata's ``StatefulDataLoader`` (the app's resumable loader) calls torch's deprecated ``set_vital`` when it
+  is built: "'set_vital' is deprecated, please do not call", four times a run, about torchdata's code.
 """
 
 from __future__ import annotations
 
 import warnings
 
-UNACTIONABLE = ((r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),)
+UNACTIONABLE = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
+    (r"'set_vital' is deprecated", r"torchdata\.stateful_dataloader\.stateful_dataloader"),
+)
 """(message pattern, module pattern) of each silenced warning."""
 
 

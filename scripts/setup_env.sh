@@ -24,7 +24,13 @@ if [ -x "$venv/bin/python" ] && { [ "$have" = "$want test" ] || [ "$have" = "$wa
   exit 0
 fi
 
-have_library() { ls /usr/lib/*/"$1" /usr/lib*/"$1" >/dev/null 2>&1; }
+have_library() {
+  local found
+  for found in /usr/lib/*/"$1" /usr/lib64/"$1" /usr/lib/"$1" /usr/local/lib/"$1"; do
+    [ -e "$found" ] && return 0
+  done
+  return 1
+}
 missing=()
 for package in "${packages[@]}"; do
   case "$package" in

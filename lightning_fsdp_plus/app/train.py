@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_fsdp_plus._dist import barrier
 from lightning_fsdp_plus.app.config import register_configs
-from lightning_fsdp_plus.app.config.validate import ConfigError, validate_run_config
+from lightning_fsdp_plus.app.config.validate import ConfigError, unread_in_this_sweep_job, validate_run_config
 from lightning_fsdp_plus.app.generate import greedy_generate
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
@@ -269,8 +270,9 @@ def write_generations(trainer: Trainer, datamodule: Any, path: Path, settings: D
             rank_zero_info(f"Q: {row['question']}\n   A: {row['generated']}")
 
 
-def run_job_in_subprocess() -> dict[str, Any]:
-    """Run this multirun job as a fresh single run, so that it launches exactly its own ranks.
+def run_job_in_subprocess(*, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """Run this multirun job as a fresh single run, so that it launches exactly its own ranks (``extra``: overrides
+    after the job's own).
 
     Lightning's launcher re-executes ``sys.argv`` for the other ranks, which under ``-m`` is the whole sweep
     (Hydra #2070), and a process that already hosted a job keeps its process group and rank variables. A stop
@@ -283,6 +285,7 @@ def run_job_in_subprocess() -> dict[str, Any]:
     command += [f"--config-dir={s.path}" for s in hydra_cfg.runtime.config_sources if s.provider == "command-line"]
     command += [
         *hydra_cfg.overrides.task,
+        *extra,
         f'hydra.run.dir="{output_dir}"',
         "hydra.mode=RUN",
         "hydra.output_subdir=null",
@@ -365,9 +368,18 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     _STARTED.append(True)
     log_to_run_files()
     try:
+        sweep = HydraConfig.get().mode == RunMode.MULTIRUN
+        cleared = unread_in_this_sweep_job(cfg) if sweep else []
+        if cleared:  # shared by the sweep's jobs, read only by its auto ones: said, not silently dropped
+            logging.getLogger(__name__).warning(
+                f"sweep job {HydraConfig.get().job.num} pins sharding_strategy={cfg.strategy.sharding_strategy}:"
+                f" {', '.join(cleared)} is read only by sharding_strategy=auto, so this job runs without it"
+            )
         validate_run_config(cfg)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
-            return run_job_in_subprocess()
+        if sweep:
+            keys = [c.split("=", 1)[0] for c in cleared]
+            empty = {k: "[]" if k.endswith("allow_quantize") else "null" for k in keys}
+            return run_job_in_subprocess(extra=[f"{k}={v}" for k, v in empty.items()])
         return train(cfg)
     except JobStopped as err:  # stopped and saved on a signal: not a failure (no failed.txt)
         logging.getLogger(__name__).warning(str(err))

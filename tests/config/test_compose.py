@@ -266,3 +266,19 @@ def test_a_hub_id_neither_cached_nor_reachable_is_refused_at_once(monkeypatch):
         check_hub_id("nosuch-org/nosuch-model")
     with pytest.raises(ConfigError, match=r"is neither a local directory nor a valid Hugging Face model id"):
         check_hub_id("not a/valid//id")
+
+
+def test_a_budget_beside_a_pinned_strategy_is_refused_in_a_run_and_cleared_for_a_sweeps_pinned_jobs():
+    """``-m strategy=full_shard,auto strategy.memory_budget=1GiB`` gives every job the budget: the auto job reads it,
+    the FULL_SHARD job is told it runs without it; one run with the same two values is refused."""
+    from lightning_fsdp_plus.app.config.validate import unread_in_this_sweep_job
+
+    pinned = ["strategy=full_shard", "strategy.memory_budget=1GiB", "strategy.allow_quantize=[int8]"]
+    with pytest.raises(ConfigError, match=r"strategy.memory_budget='1GiB', allow_quantize=\('int8',\): read only by"
+                                          r" sharding_strategy='auto', and sharding_strategy='FULL_SHARD' is pinned"):
+        validate_run_config(compose("config", overrides=pinned))
+    cfg = compose("config", overrides=pinned)
+    assert unread_in_this_sweep_job(cfg) == ["strategy.memory_budget=1GiB", "strategy.allow_quantize=['int8']"]
+    validate_run_config(cfg)  # cleared: the job runs as pinned
+    auto = compose("config", overrides=["strategy=auto", "strategy.memory_budget=1GiB"])
+    assert unread_in_this_sweep_job(auto) == [] and auto.strategy.memory_budget == "1GiB"

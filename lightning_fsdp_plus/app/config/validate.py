@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,26 @@ def fill_auto_plan(cfg: Any) -> None:
         strategy.plan_batch_size = data.batch_size
     if strategy.get("plan_seq_len") is None:
         strategy.plan_seq_len = data.get("max_seq_len") or data.get("seq_len")
+
+
+def unread_in_this_sweep_job(cfg: Any) -> list[str]:
+    """In a sweep, the auto plan's options (``memory_budget``, ...) given to every job reach the jobs that pin a
+    strategy too (``-m strategy=full_shard,auto strategy.memory_budget=1GiB``): for those jobs they are cleared
+    here, and returned as ``strategy.KEY=VALUE`` so the caller can say so. A single run refuses the same
+    combination (:func:`~lightning_fsdp_plus.options.refuse_ignored`)."""
+    from lightning_fsdp_plus.options import AUTO_ONLY
+
+    strategy = cfg.strategy
+    chosen = strategy.get("sharding_strategy")
+    if str(getattr(chosen, "value", chosen)).lower() == AUTO:
+        return []
+    cleared = []
+    for key in AUTO_ONLY:
+        value = strategy.get(key)
+        if value is not None and (not isinstance(value, Sequence) or isinstance(value, str) or len(value)):
+            cleared.append(f"strategy.{key}={value}")
+            strategy[key] = [] if key == "allow_quantize" else None
+    return cleared
 
 
 def unknown_keys(node: Any, *, path: str = "") -> list[tuple[str, list[str]]]:

@@ -43,12 +43,29 @@ def state(job: str) -> str:
     return "" if found in ENDED else found
 
 
+SETTLE_S = 5.0
+"""How long a requeued job stays PENDING before a test releases it. Released at once, slurmctld can allocate it
+while the previous attempt's credential is still being revoked, and it kills the new attempt ("Killing
+non-startable batch JobId=25: Job credential revoked", seen 0.24 s after a requeue)."""
+_PENDING_SINCE: dict[str, float] = {}
+
+
+def release_if_pending(job: str) -> None:
+    """A requeued job waits ~2 min (BeginTime): release it once it has been PENDING for :data:`SETTLE_S`."""
+    if state(job) != "PENDING":
+        _PENDING_SINCE.pop(job, None)
+        return
+    since = _PENDING_SINCE.setdefault(job, time.monotonic())
+    if time.monotonic() - since >= SETTLE_S:
+        subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+
+
 def wait_gone(job: str, timeout: float = 300) -> float:
-    """Wait until the job has left the queue (requeued attempts released at once); the seconds it took."""
+    """Wait until the job has left the queue (requeued attempts released, :func:`release_if_pending`); the seconds
+    it took."""
     start = time.monotonic()
     while state(job):
-        if state(job) == "PENDING":  # a requeued job waits ~2 min (BeginTime): release it
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        release_if_pending(job)
         assert time.monotonic() - start < timeout, f"job {job} still {state(job)} after {timeout} s"
         time.sleep(0.5)
     return time.monotonic() - start
@@ -153,8 +170,7 @@ def test_a_time_limit_ends_in_a_requeue_not_a_kill(tmp_path):
     start = time.monotonic()
     while "Restored all states from the checkpoint" not in (log.read_text() if log.exists() else ""):
         assert time.monotonic() - start < 240, "no requeued attempt resumed within 4 minutes"
-        if state(job) == "PENDING":
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        release_if_pending(job)
         time.sleep(0.5)
     subprocess.run(["scancel", job], check=True)
     wait_gone(job)
@@ -190,8 +206,8 @@ def test_the_submitit_sweep_runs_every_job_on_slurm_and_a_preempted_job_resumes(
     while proc.poll() is None:
         pending = subprocess.run(["squeue", "-h", "-n", name, "-t", "PENDING", "-o", "%i"], capture_output=True,
                                  text=True).stdout.split()  # fmt: skip
-        for job in pending:  # a requeued job waits ~2 min (BeginTime): release it
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+        for job in pending:
+            release_if_pending(job)
         assert time.monotonic() - start < 600, "the sweep did not end in 10 minutes"
         time.sleep(0.5)
     output = proc.stdout.read() if proc.stdout else ""

@@ -125,8 +125,10 @@ def _fine_tuned_whole(checkpoint: dict[str, Any], *, base: Path | str) -> Any:
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()
     if unexpected or set(missing) - tied:
-        raise CheckpointError(f"the checkpoint's weights do not fit {base}: missing {sorted(set(missing) - tied)[:5]},"
-                              f" unexpected {sorted(unexpected)[:5]}; give --base PATH, the model it was trained from")
+        raise CheckpointError(
+            f"the checkpoint's weights do not fit {base}: missing {sorted(set(missing) - tied)[:5]},"
+            f" unexpected {sorted(unexpected)[:5]}; give --base PATH, the model it was trained from"
+        )
     return model
 
 

@@ -369,17 +369,16 @@ def run(cfg: DictConfig) -> dict[str, Any] | None:
     log_to_run_files()
     try:
         sweep = HydraConfig.get().mode == RunMode.MULTIRUN
-        cleared = unread_in_this_sweep_job(cfg) if sweep else []
+        cleared = unread_in_this_sweep_job(cfg) if sweep else {}
         if cleared:  # shared by the sweep's jobs, read only by its auto ones: said, not silently dropped
+            given = ", ".join(f"{key}={value}" for key, (value, _) in cleared.items())
             logging.getLogger(__name__).warning(
                 f"sweep job {HydraConfig.get().job.num} pins sharding_strategy={cfg.strategy.sharding_strategy}:"
-                f" {', '.join(cleared)} is read only by sharding_strategy=auto, so this job runs without it"
+                f" {given} is read only by sharding_strategy=auto, so this job runs without it"
             )
         validate_run_config(cfg)
         if sweep:
-            keys = [c.split("=", 1)[0] for c in cleared]
-            empty = {k: "[]" if k.endswith("allow_quantize") else "null" for k in keys}
-            return run_job_in_subprocess(extra=[f"{k}={v}" for k, v in empty.items()])
+            return run_job_in_subprocess(extra=[override for _, override in cleared.values()])
         return train(cfg)
     except JobStopped as err:  # stopped and saved on a signal: not a failure (no failed.txt)
         logging.getLogger(__name__).warning(str(err))

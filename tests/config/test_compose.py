@@ -274,11 +274,17 @@ def test_a_budget_beside_a_pinned_strategy_is_refused_in_a_run_and_cleared_for_a
     from lightning_fsdp_plus.app.config.validate import unread_in_this_sweep_job
 
     pinned = ["strategy=full_shard", "strategy.memory_budget=1GiB", "strategy.allow_quantize=[int8]"]
-    with pytest.raises(ConfigError, match=r"strategy.memory_budget='1GiB', allow_quantize=\('int8',\): read only by"
-                                          r" sharding_strategy='auto', and sharding_strategy='FULL_SHARD' is pinned"):
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy.memory_budget='1GiB', allow_quantize=\('int8',\): read only by"
+        r" sharding_strategy='auto', and sharding_strategy='FULL_SHARD' is pinned",
+    ):
         validate_run_config(compose("config", overrides=pinned))
     cfg = compose("config", overrides=pinned)
-    assert unread_in_this_sweep_job(cfg) == ["strategy.memory_budget=1GiB", "strategy.allow_quantize=['int8']"]
+    assert unread_in_this_sweep_job(cfg) == {
+        "strategy.memory_budget": ("1GiB", "strategy.memory_budget=null"),
+        "strategy.allow_quantize": (["int8"], "strategy.allow_quantize=[]"),
+    }
     validate_run_config(cfg)  # cleared: the job runs as pinned
     auto = compose("config", overrides=["strategy=auto", "strategy.memory_budget=1GiB"])
-    assert unread_in_this_sweep_job(auto) == [] and auto.strategy.memory_budget == "1GiB"
+    assert unread_in_this_sweep_job(auto) == {} and auto.strategy.memory_budget == "1GiB"

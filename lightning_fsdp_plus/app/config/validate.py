@@ -148,23 +148,26 @@ def fill_auto_plan(cfg: Any) -> None:
         strategy.plan_seq_len = data.get("max_seq_len") or data.get("seq_len")
 
 
-def unread_in_this_sweep_job(cfg: Any) -> list[str]:
+def unread_in_this_sweep_job(cfg: Any) -> dict[str, tuple[Any, str]]:
     """In a sweep, the auto plan's options (``memory_budget``, ...) given to every job reach the jobs that pin a
-    strategy too (``-m strategy=full_shard,auto strategy.memory_budget=1GiB``): for those jobs they are cleared
-    here, and returned as ``strategy.KEY=VALUE`` so the caller can say so. A single run refuses the same
-    combination (:func:`~lightning_fsdp_plus.options.refuse_ignored`)."""
+    strategy too (``-m strategy=full_shard,auto strategy.memory_budget=1GiB``): for those jobs they are cleared here.
+    Returns ``{"strategy.KEY": (the value given, the override that clears it)}``, so the caller can say so and hand
+    the clearing on to the job's own process. A single run refuses the same combination
+    (:func:`~lightning_fsdp_plus.options.refuse_ignored`)."""
     from lightning_fsdp_plus.options import AUTO_ONLY
 
     strategy = cfg.strategy
     chosen = strategy.get("sharding_strategy")
     if str(getattr(chosen, "value", chosen)).lower() == AUTO:
-        return []
-    cleared = []
+        return {}
+    cleared = {}
     for key in AUTO_ONLY:
         value = strategy.get(key)
-        if value is not None and (not isinstance(value, Sequence) or isinstance(value, str) or len(value)):
-            cleared.append(f"strategy.{key}={value}")
-            strategy[key] = [] if key == "allow_quantize" else None
+        listed = isinstance(value, Sequence) and not isinstance(value, str)
+        if value is not None and (not listed or len(value)):
+            given = list(value) if listed else value  # a copy: the node is emptied next
+            cleared[f"strategy.{key}"] = (given, f"strategy.{key}={'[]' if listed else 'null'}")
+            strategy[key] = [] if listed else None
     return cleared
 
 

@@ -4,6 +4,9 @@
   "`isinstance(treespec, LeafSpec)` is deprecated" twice a run, from Lightning's code, about Lightning's code.
 * torchdata's ``StatefulDataLoader`` (the app's resumable loader) calls torch's deprecated ``set_vital`` when it
   is built: "'set_vital' is deprecated, please do not call", four times a run, about torchdata's code.
+
+PEFT's read of transformers' deprecated ``is_gradient_checkpointing`` is silenced only around our own call of
+``get_peft_model`` (:func:`lightning_fsdp_plus.lora.apply_lora`): a user who calls PEFT still sees it.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.app_run import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ("medical_lora", "legal_lora")
@@ -26,13 +26,8 @@ LOSSES = {"chunked": "true", "model's own": "false"}
 def run_once(*, experiment: str, chunked: str, steps: int, out: Path) -> float:
     """One run's median step time (seconds)."""
     overrides = [f"experiment={experiment}", f"model.chunked_loss={chunked}", f"trainer.max_steps={steps}",
-                 "generate.num_prompts=0", "trainer.enable_progress_bar=false", f"hydra.run.dir={out}"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(REPO / "scripts" / "run"), "fsdp-plus-train", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
-    if proc.returncode != 0:
-        raise RuntimeError(f"{out} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return float(json.loads((out / "metrics.json").read_text())["step_time_s_median"])
+                 "generate.num_prompts=0", "trainer.enable_progress_bar=false"]  # fmt: skip
+    return float(run_train(overrides, out=out)["step_time_s_median"])
 
 
 def main(argv: list[str] | None = None) -> None:

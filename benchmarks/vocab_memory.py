@@ -25,10 +25,11 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from benchmarks.app_run import run_train
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "assets" / "tiny-llama"
@@ -80,7 +81,6 @@ def run_app(*, model_dir: Path, run: str, layout: str, checkpointing: bool, out:
         "experiment=medical_lora", f"model.name_or_path={model_dir}", "model.torch_dtype=float32",
         *RUNS[run], "precision=32_true", f"trainer.max_steps={steps}", "trainer.limit_val_batches=1",
         "trainer.log_every_n_steps=1", "trainer.gradient_clip_val=1.0", "generate.num_prompts=0",
-        f"hydra.run.dir={out}",
         "+callbacks.phases._target_=benchmarks.memory_phases.PhaseMemory", f"+callbacks.phases.out={out}",
         "+callbacks.trace._target_=benchmarks.memory_trace.AllocationTrace", f"+callbacks.trace.out={out}",
     ]  # fmt: skip
@@ -88,19 +88,13 @@ def run_app(*, model_dir: Path, run: str, layout: str, checkpointing: bool, out:
         overrides.append("strategy.activation_checkpointing=auto")
     if layout == "before":
         overrides += [f"strategy.auto_wrap_policy=[{LAYER_CLASSES[model_type]}]", "model.chunked_loss=false"]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([str(REPO / "scripts" / "run"), "fsdp-plus-train", *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)  # fmt: skip
-    (out / "console.txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {out} failed ({proc.returncode}); see {out / 'console.txt'}")
+    metrics = run_train(overrides, out=out)
     phases = [json.loads(p.read_text()) for p in sorted(out.glob("phases.rank*.json"))]
     traces = [json.loads(p.read_text()) for p in sorted(out.glob("trace.rank*.json"))]
     training = [[r for r in rows if r["phase"].startswith("step")] for rows in phases]
     peak = max(r["peak_anon_since_last"] for rows in training for r in rows)
     start = [next(r for r in rows if r["phase"] == "step 1: after optimizer step") for rows in phases]
     traced = max(t["peak_bytes"] + s["tensors_model_state"] for t, s in zip(traces, start, strict=True))
-    metrics = json.loads((out / "metrics.json").read_text())
     return {"rss_peak": peak, "traced_live": traced, "step_s": metrics.get("step_time_s_median"), "metrics": metrics}
 
 

@@ -327,13 +327,25 @@ AUTO_ONLY = ("memory_budget", "plan_batch_size", "plan_seq_len", "allow_quantize
 """Options only the auto plan reads: given beside a pinned ``sharding_strategy`` they would do nothing."""
 
 
+def auto_only_given(values: Mapping[str, Any]) -> list[str]:
+    """The :data:`AUTO_ONLY` keys that ``values`` (options, or a Hydra strategy node) gives: set, and not an empty
+    list."""
+    given = []
+    for key in AUTO_ONLY:
+        value = values.get(key)
+        listed = isinstance(value, Sequence) and not isinstance(value, str)
+        if value is not None and (not listed or len(value)):
+            given.append(key)
+    return given
+
+
 def refuse_ignored(options: FSDPPlusOptions) -> None:
     """Raise a ValueError for a combination in which an option would be silently ignored: an auto-plan option
     (:data:`AUTO_ONLY`) beside a pinned ``sharding_strategy``. Called where users hand options in (the strategy, the
     Hydra app), not on the copies the strategy and the plan make of them."""
     if options.auto:
         return
-    given = [key for key in AUTO_ONLY if getattr(options, key) not in (None, ())]
+    given = auto_only_given({key: getattr(options, key) for key in AUTO_ONLY})
     if given:
         pinned = getattr(options.sharding_strategy, "value", options.sharding_strategy)
         shown = ", ".join(f"{key}={getattr(options, key)!r}" for key in given)

@@ -135,12 +135,17 @@ def strategy_options(strategy: Any) -> FSDPPlusOptions:
     return options
 
 
+def _plans(strategy: Any) -> bool:
+    """Whether the strategy node asks the auto plan to choose (``sharding_strategy=auto``, any case)."""
+    chosen = strategy.get("sharding_strategy")
+    return str(getattr(chosen, "value", chosen)).lower() == AUTO
+
+
 def fill_auto_plan(cfg: Any) -> None:
     """With ``strategy.sharding_strategy=auto``: plan for the data's batch and sequence length unless the strategy
     node says otherwise (``data.batch_size``; ``data.max_seq_len``, else ``data.seq_len``)."""
     strategy, data = cfg.strategy, cfg.data
-    chosen = strategy.get("sharding_strategy")
-    if str(getattr(chosen, "value", chosen)).lower() != AUTO:
+    if not _plans(strategy):
         return
     if strategy.get("plan_batch_size") is None and data.get("batch_size") is not None:
         strategy.plan_batch_size = data.batch_size
@@ -154,20 +159,18 @@ def unread_in_this_sweep_job(cfg: Any) -> dict[str, tuple[Any, str]]:
     Returns ``{"strategy.KEY": (the value given, the override that clears it)}``, so the caller can say so and hand
     the clearing on to the job's own process. A single run refuses the same combination
     (:func:`~lightning_fsdp_plus.options.refuse_ignored`)."""
-    from lightning_fsdp_plus.options import AUTO_ONLY
+    from lightning_fsdp_plus.options import auto_only_given
 
     strategy = cfg.strategy
-    chosen = strategy.get("sharding_strategy")
-    if str(getattr(chosen, "value", chosen)).lower() == AUTO:
+    if _plans(strategy):
         return {}
     cleared = {}
-    for key in AUTO_ONLY:
-        value = strategy.get(key)
-        listed = isinstance(value, Sequence) and not isinstance(value, str)
-        if value is not None and (not listed or len(value)):
-            given = list(value) if listed else value  # a copy: the node is emptied next
-            cleared[f"strategy.{key}"] = (given, f"strategy.{key}={'[]' if listed else 'null'}")
-            strategy[key] = [] if listed else None
+    for key in auto_only_given(strategy):
+        value = strategy[key]
+        listed = not isinstance(value, str) and isinstance(value, Sequence)
+        given = list(value) if listed else value  # a copy: the node is emptied next
+        cleared[f"strategy.{key}"] = (given, f"strategy.{key}={'[]' if listed else 'null'}")
+        strategy[key] = [] if listed else None
     return cleared
 
 

@@ -117,10 +117,12 @@ def run_base(checkpoint_path: Path) -> Path:
 
 
 def _fine_tuned_whole(checkpoint: dict[str, Any], *, base: Path | str) -> Any:
-    """A full fine-tune's weights in the base's architecture (config from ``base``)."""
-    from transformers import AutoModelForCausalLM
+    """A full fine-tune's weights in the base's architecture (only the config is read from ``base``: its weights
+    would all be replaced)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base)
+    config = AutoConfig.from_pretrained(base)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(config, "dtype", None))
     state = strip_common_prefix(checkpoint["state_dict"], "auto")  # the LightningModule's attribute prefix
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - dict(model.named_parameters()).keys()

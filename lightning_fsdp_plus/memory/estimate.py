@@ -95,6 +95,9 @@ class ModelDescription:
     loss_transient_bytes: int = 0
     """What computing the loss allocates beyond the saved activations (the chunked loss: one chunk's float32
     logits, their gradient and its cast)."""
+    unit_loss_grads: tuple[int, ...] = ()
+    """Per unit (aligned with ``units``): the gradients the chunked loss computes in forward and saves (the output
+    head's weight and bias when they train, in the compute dtype)."""
 
     def _all(self) -> Iterable[ParamInfo]:
         return (p for unit in (*self.units, self.replicated) for p in unit)
@@ -327,10 +330,11 @@ def estimate_strategy(
         costs = [
             UnitCost(path=path, gathered=compute_copy(unit), unsharded_grads=unsharded_grads(unit),
                      grad_shards=sum(_elements(p, shard) * pb.grad for p in unit if p.trainable and p.sharded),
-                     reshards=again, activations=act_i, recompute=recompute_i, largest_activation=largest_i)
-            for path, unit, again, act_i, recompute_i, largest_i in zip(
+                     reshards=again, activations=act_i, recompute=recompute_i, largest_activation=largest_i,
+                     loss_grads=loss_i)
+            for path, unit, again, act_i, recompute_i, largest_i, loss_i in zip(
                 model.unit_paths, model.units, regathered, model.unit_activations, model.unit_recompute,
-                model.unit_largest, strict=True)
+                model.unit_largest, model.unit_loss_grads or (0,) * len(model.units), strict=True)
         ]  # fmt: skip
         ordered = [costs[i] for i in model.forward_order]
         if ordered and not any(p.trainable for p in model.units[model.forward_order[0]]):
@@ -479,7 +483,7 @@ def describe_config_variants(
     units (every unit but the root), in ``options.activation_checkpointing_mode``. The forward computes the loss
     as the app does (:func:`~lightning_fsdp_plus.loss.causal_lm_loss`, chunked unless ``chunked_loss=False``); what
     it saves is counted per unit (the step's timeline needs it)."""
-    from lightning_fsdp_plus.loss import default_chunk_tokens
+    from lightning_fsdp_plus.loss import default_chunk_tokens, output_head
 
     built = options.replace(lora_only=False, activation_checkpointing=None)
     policy = options.activation_checkpointing if options.activation_checkpointing is not None else (
@@ -509,13 +513,18 @@ def describe_config_variants(
         config_obj = getattr(getattr(model, "model", model), "config", None)  # the causal LM inside the root
         vocab, hidden = getattr(config_obj, "vocab_size", 0) or 0, getattr(config_obj, "hidden_size", 0) or 0
         loss_transient = 0
+        size = torch.empty((), dtype=compute_dtype(precision)).element_size()
+        head = output_head(getattr(model, "model", model)) if chunked_loss else None
+        trained_head = {id(p) for p in head.parameters() if p.requires_grad} if head is not None else set()
+        head_names = {name for name, p in model.named_parameters() if id(p) in trained_head}
         if chunked_loss and vocab and hidden:
             chunk = default_chunk_tokens(tokens=batch.batch_size * batch.seq_len, hidden=hidden, vocab=vocab)
             # a chunk's float32 logits, cross-entropy's log-probabilities, the softmax that becomes the gradient,
             # and below float32 the logits in the compute dtype before their upcast (traced with
             # benchmarks/memory_trace.py at a 128k vocabulary in float32: 3 x 62.6 MiB alive at the step's peak)
-            size = torch.empty((), dtype=compute_dtype(precision)).element_size()
             loss_transient = chunk * vocab * (12 + (size if size < 4 else 0))
+            if size < 4:  # a trained head's gradient is summed in float32 before it is saved in the compute dtype
+                loss_transient += 4 * sum(p.numel() for p in head.parameters() if id(p) in trained_head) if head else 0
 
         def laid_out(d: ModelDescription, saved: dict[str, int], recompute: dict[str, int]) -> ModelDescription:
             own = set(d.unit_paths)
@@ -528,6 +537,7 @@ def describe_config_variants(
                     (v for q, v in largest_units.items() if q not in own or not q), default=0) for p in d.unit_paths),
                 forward_order=tuple(d.unit_paths.index(p) for p in order if p in own and p),
                 loss_transient_bytes=loss_transient,
+                unit_loss_grads=tuple(sum(p.numel for p in unit if p.name in head_names) * size for unit in d.units),
             )  # fmt: skip
 
         plain = {mode: replace(d, largest_activation_bytes=largest) for mode, d in plain.items()}

@@ -141,10 +141,34 @@ def test_the_chunked_loss_holds_three_float32_tensors_of_a_chunk_and_below_float
     llama3_shaped, precision, per_element
 ):
     """float32 logits, cross-entropy's log-probabilities and the softmax that becomes the gradient (3 x 62.6 MiB
-    traced at 128 x 128,256 in float32); in bf16 the logits before their upcast too."""
+    traced at 128 x 128,256 in float32); in bf16 the logits before their upcast too, and a trained head's
+    gradient summed in float32 before it is saved in bf16."""
     from lightning_fsdp_plus.loss import default_chunk_tokens
 
     described, _ = estimate_memory(config=llama3_shaped, world_size=1, strategy="full_shard", precision=precision,
                                    batch_size=8, seq_len=128)  # fmt: skip
     chunk = default_chunk_tokens(tokens=8 * 128, hidden=256, vocab=128256)
-    assert described.loss_transient_bytes == chunk * 128256 * per_element
+    accumulator = 4 * 128256 * 256 if precision == "bf16-true" else 0
+    assert described.loss_transient_bytes == chunk * 128256 * per_element + accumulator
+    # the head's gradient, saved by the loss in the compute dtype, belongs to the head's unit
+    size = 4 if precision == "32-true" else 2
+    loss_grads = dict(zip(described.unit_paths, described.unit_loss_grads, strict=True))
+    assert loss_grads.pop("model.lm_head") == 128256 * 256 * size and set(loss_grads.values()) == {0}
+    lora, _ = estimate_memory(config=llama3_shaped, world_size=1, strategy="full_shard", precision=precision,
+                              batch_size=8, seq_len=128, lora={"r": 8, "target_modules": ["q_proj"]})  # fmt: skip
+    assert set(lora.unit_loss_grads) == {0}  # a frozen head: the loss computes no gradient of it
+
+
+def test_the_heads_backward_under_the_chunked_loss_only_hands_on_what_the_loss_saved():
+    """Its gradients are counted once (saved at the loss, then its unsharded gradients), with no backward
+    temporaries; tied into the root, the embedding's dense gradient of the table is added to it at the end."""
+    root = UnitCost(path="", gathered=7, unsharded_grads=0, grad_shards=0, reshards=False, activations=0)
+    head = UnitCost(path="head", gathered=400, unsharded_grads=400, grad_shards=200, reshards=True, activations=410,
+                    largest_activation=400, loss_grads=400)  # fmt: skip
+    moments = {m.name: m for m in step_timeline(units=[*_units(True), head], root=root, stored=0, optimizer=0)}
+    # every activation, the head gathered again and the last block prefetched: no gradient beyond the saved one
+    assert moments["backward head"].parts == {"stored": 0, "optimizer": 0, "activations": 3410, "gathered": 507}
+    tied = UnitCost(path="", gathered=400, unsharded_grads=400, grad_shards=200, reshards=False, activations=410,
+                    largest_activation=400, loss_grads=400)  # fmt: skip
+    end = {m.name: m for m in step_timeline(units=_units(True), root=tied, stored=0, optimizer=0)}["backward <root>"]
+    assert end.parts == {"stored": 0, "optimizer": 0, "activations": 10, "gathered": 400, "grads": 415, "transient": 400}

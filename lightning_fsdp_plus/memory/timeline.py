@@ -16,8 +16,7 @@ Moments, in order: the root's all-gather, each FSDP unit's forward (execution or
   to the backward node that unpacks it and drops its own reference, so they are freed as the unit's backward goes),
   two tensors of the unit's largest saved activation (its gradient and the one beside it) and the largest quantized
   weight dequantized; the output head under the chunked loss allocates none of those: the loss computed its
-  gradients in forward, and its backward scales them in place (counted once, as saved activations, then as its
-  unsharded gradients);
+  gradients in forward (saved activations), and its backward only scales them into its unsharded gradients;
 * at the optimizer step: every gradient shard and the optimizer's temporaries.
 
 A moment's activations are attributed to the unit that saved them (counted on a FakeTensor forward by
@@ -62,8 +61,8 @@ class UnitCost:
     """The largest tensor it saves (its gradient and the one beside it are backward's temporaries)."""
     loss_grads: int = 0
     """Its trainable parameters' gradients that the chunked loss computed in forward (the output head's, when it
-    trains): saved as activations until backward scales them in place and they become its unsharded gradients, so
-    they are counted once, and the head's backward allocates nothing else of that size."""
+    trains): saved as activations until its backward scales them into its unsharded gradients, which is all that
+    backward allocates."""
     in_backward: bool = True
     """Whether backward reaches it: not the first unit when it trains nothing (the input embeddings of a LoRA run:
     its output needs no gradient, so FSDP2 never gathers it for backward)."""
@@ -144,16 +143,16 @@ def step_timeline(
         )
         in_flight = units[i + 1].unsharded_grads if prefetch and i + 1 < len(units) else 0
         kept = sum(u.gathered for u in units[:i] if not u.reshards)
-        # the chunked loss's head: its saved gradients become its unsharded ones; its backward only scales them
+        # the chunked loss's head: its backward only scales the gradients the loss saved into its unsharded ones
         temporaries = 0 if unit.loss_grads else GRADIENT_TEMPORARIES * unit.largest_activation
         add(f"backward {unit.path}", activations=root.activations + sum(u.activations for u in units[: i + 1]),
             gathered=root_in_backward + kept + unit.gathered + behind,
-            grads=done_grads + unit.unsharded_grads - unit.loss_grads + in_flight,
+            grads=done_grads + unit.unsharded_grads + in_flight,
             transient=unit.recompute + temporaries + dequantized
             + (gather_copies * unit.gathered if unit.reshards else 0))  # fmt: skip
         done_grads += unit.grad_shards
-    # a head tied into the root (Qwen's small sizes): the loss's saved gradient of the table is its gradient by now,
-    # and the embedding's backward adds a dense gradient of the same size to it
+    # a head tied into the root (Qwen's small sizes): the loss's saved gradient of the table was freed once scaled
+    # into the table's gradient, and the embedding's backward adds a dense gradient of the same size to it
     add("backward <root>", activations=root.activations - root.loss_grads, gathered=root_in_backward,
         grads=done_grads + root.unsharded_grads,
         transient=root.loss_grads or GRADIENT_TEMPORARIES * root.largest_activation)  # fmt: skip

@@ -159,15 +159,17 @@ def test_the_chunked_loss_holds_three_float32_tensors_of_a_chunk_and_below_float
     assert set(lora.unit_loss_grads) == {0}  # a frozen head: the loss computes no gradient of it
 
 
-def test_the_heads_backward_under_the_chunked_loss_only_hands_on_what_the_loss_saved():
-    """Its gradients are counted once (saved at the loss, then its unsharded gradients), with no backward
-    temporaries; tied into the root, the embedding's dense gradient of the table is added to it at the end."""
+def test_the_heads_backward_under_the_chunked_loss_only_scales_what_the_loss_saved():
+    """Its backward holds the gradients the loss saved and their scaled copy (its unsharded gradients), with no
+    other temporaries; tied into the root, the saved ones are gone by the end, where the embedding's dense gradient
+    of the table is added to the table's."""
     root = UnitCost(path="", gathered=7, unsharded_grads=0, grad_shards=0, reshards=False, activations=0)
     head = UnitCost(path="head", gathered=400, unsharded_grads=400, grad_shards=200, reshards=True, activations=410,
                     largest_activation=400, loss_grads=400)  # fmt: skip
     moments = {m.name: m for m in step_timeline(units=[*_units(True), head], root=root, stored=0, optimizer=0)}
-    # every activation, the head gathered again and the last block prefetched: no gradient beyond the saved one
-    assert moments["backward head"].parts == {"stored": 0, "optimizer": 0, "activations": 3410, "gathered": 507}
+    # every activation (the saved gradients too), the head gathered again, the last block prefetched, the copy
+    assert moments["backward head"].parts == {"stored": 0, "optimizer": 0, "activations": 3410, "gathered": 507,
+                                              "grads": 400}  # fmt: skip
     tied = UnitCost(path="", gathered=400, unsharded_grads=400, grad_shards=200, reshards=False, activations=410,
                     largest_activation=400, loss_grads=400)  # fmt: skip
     end = {m.name: m for m in step_timeline(units=_units(True), root=tied, stored=0, optimizer=0)}["backward <root>"]

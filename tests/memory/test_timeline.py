@@ -173,4 +173,5 @@ def test_the_heads_backward_under_the_chunked_loss_only_scales_what_the_loss_sav
     tied = UnitCost(path="", gathered=400, unsharded_grads=400, grad_shards=200, reshards=False, activations=410,
                     largest_activation=400, loss_grads=400)  # fmt: skip
     end = {m.name: m for m in step_timeline(units=_units(True), root=tied, stored=0, optimizer=0)}["backward <root>"]
-    assert end.parts == {"stored": 0, "optimizer": 0, "activations": 10, "gathered": 400, "grads": 415, "transient": 400}
+    assert end.parts == {"stored": 0, "optimizer": 0, "activations": 10, "gathered": 400, "grads": 415,
+                         "transient": 400}  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -128,9 +129,14 @@ def _output(run_dir: Path, name: str) -> str:
 
 
 def test_the_app_stops_on_sigterm_to_one_rank_and_resumes_with_ckpt_path_last(tmp_path):
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    assert _app(reference, "uninterrupted").wait(timeout=300) == 0, failure_excerpt(_output(reference, "uninterrupted"))
-    proc = _app(run, "preempted")
+    """A full fine-tune on 64 synthetic sequences (a global batch of 16: 4 steps an epoch), SIGTERM to one rank
+    inside epoch 2: on 2 ranks the resumed run ends bit for bit as the uninterrupted one, on 1 rank (accumulating 2,
+    ``trainer.devices=1`` and nothing else) within 1e-5."""
+    reference, run, single = tmp_path / "reference", tmp_path / "run", tmp_path / "single"
+    small = "data.train_size=64"
+    proc = _app(reference, "uninterrupted", small)
+    assert proc.wait(timeout=300) == 0, failure_excerpt(_output(reference, "uninterrupted"))
+    proc = _app(run, "preempted", small)
     wait_for(run / "preempted.rank1.progress", step=5, timeout=240)
     os.kill(int((run / "preempted.rank1.pid").read_text()), signal.SIGTERM)
     sent = time.time()
@@ -138,8 +144,17 @@ def test_the_app_stops_on_sigterm_to_one_rank_and_resumes_with_ckpt_path_last(tm
     assert time.time() - sent < EXIT_WITHIN_S
     output = _output(run, "preempted")
     assert "every rank stopped after step" in output and "saved step" in output
-    resumed = _app(run, "resumed", "ckpt_path=last")
+    stopped = torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
+    assert stopped["epoch"] >= 1 and 4 < stopped["global_step"] < 16  # past the first epoch, not at the end
+    shutil.copytree(run, single)
+    resumed = _app(run, "resumed", small, "ckpt_path=last")
     assert resumed.wait(timeout=300) == 0, failure_excerpt(_output(run, "resumed"))
     state = torch.load(run / "resumed.pt", weights_only=True)
     ref_state = torch.load(reference / "uninterrupted.pt", weights_only=True)
     assert max_diff(state, ref_state) == 0.0
+    one = _app(single, "resumed", small, "ckpt_path=last", "trainer.devices=1")
+    assert one.wait(timeout=300) == 0, failure_excerpt(_output(single, "resumed"))
+    assert max_diff(torch.load(single / "resumed.pt", weights_only=True), ref_state) <= 1e-5
+    attempts = json.loads((single / "attempts.json").read_text())
+    assert [(a["world_size"], a["accumulate_grad_batches"]) for a in attempts] == [(2, 1), (1, 2)]
+    assert attempts[1]["start_step"] == stopped["global_step"]

@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_fsdp_plus.app.tokenizer import load_tokenizer
+from lightning_fsdp_plus.sampler import GlobalBatchSampler, LayoutError, accumulation_for
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 """Alpaca-style prompt for examples without an input."""
@@ -134,17 +135,39 @@ def check_instruction_file(path: str | Path, *, columns: Mapping[str, str] | Non
             _check_record(record, where=f"{path}:{number}", columns=columns)
 
 
-def shuffled_sampler(dataset: Dataset, *, trainer: Any) -> DistributedSampler:
-    """This rank's share of ``dataset`` in an order fixed by the seed and the epoch (torch's ``DistributedSampler``,
-    which Lightning leaves in place and steps through epochs).
+def shuffled_sampler(
+    dataset: Dataset,
+    *,
+    trainer: Any,
+    micro_batch_size: int,
+    global_batch_size: int | None = None,
+    weights: Sequence[int] | None = None,
+) -> GlobalBatchSampler:
+    """This rank's share of the run's global batches, in an order fixed by the seed and the epoch alone
+    (:class:`~lightning_fsdp_plus.sampler.GlobalBatchSampler`): a run resumed mid-epoch, in any epoch and on any
+    number of ranks, sees exactly the samples the uninterrupted run would have seen, in the same global batches.
 
-    ``shuffle=True`` would give a random sampler whose order depends on the global RNG at the moment the epoch
-    starts, which a resumed run does not reproduce; with this one a resumed run sees exactly the batches the
-    uninterrupted run would have seen.
+    ``global_batch_size`` defaults to ``micro_batch_size x ranks x trainer.accumulate_grad_batches``; given, the
+    trainer's accumulation must be the one that keeps it (the app sets it).
     """
     world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+    total = global_batch_size or micro_batch_size * world * accumulate
+    needed = accumulation_for(global_batch_size=total, world_size=world, micro_batch_size=micro_batch_size)
+    if needed != accumulate:
+        raise LayoutError(f"global batch size {total} on {world} ranks x micro-batch {micro_batch_size} needs"
+                          f" Trainer(accumulate_grad_batches={needed}), not {accumulate}")  # fmt: skip
     seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as Lightning's own distributed sampler
-    return DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    return GlobalBatchSampler(dataset, global_batch_size=total, micro_batch_size=micro_batch_size, world_size=world,
+                              rank=rank, seed=seed, weights=weights)  # fmt: skip
+
+
+def data_layout(sampler: GlobalBatchSampler | None) -> dict[str, int]:
+    """What a data module saves in checkpoints about its layout (a resume on another one keeps the global batch)."""
+    if sampler is None:
+        return {}
+    return {"global_batch_size": sampler.global_batch_size, "world_size": sampler.num_replicas,
+            "micro_batch_size": sampler.micro_batch_size, "accumulate_grad_batches": sampler.accumulate}  # fmt: skip
 
 
 class ArithmeticSequences(Dataset):
@@ -174,6 +197,8 @@ class SyntheticLMDataModule(LightningDataModule):
         val_size: Held-out sequences (a different seed).
         num_workers: DataLoader workers per rank.
         seed: Seed of the training sequences.
+        global_batch_size: Sequences per optimizer step over all ranks and accumulation (default: ``batch_size``
+            x ranks x ``accumulate_grad_batches``); kept when a run resumes on another number of ranks.
     """
 
     def __init__(
@@ -186,16 +211,25 @@ class SyntheticLMDataModule(LightningDataModule):
         val_size: int = 128,
         num_workers: int = 0,
         seed: int = 1,
+        global_batch_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.batch_size, self.num_workers = batch_size, num_workers
+        self.batch_size, self.num_workers, self.global_batch_size = batch_size, num_workers, global_batch_size
         self.train_set = ArithmeticSequences(n=train_size, seq_len=seq_len, vocab_size=vocab_size, seed=seed)
         self.val_set = ArithmeticSequences(n=val_size, seq_len=seq_len, vocab_size=vocab_size, seed=seed + 1)
+        self.sampler: GlobalBatchSampler | None = None
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches, resumable mid-epoch."""
+        """Shuffled training batches, resumable mid-epoch on any number of ranks (every sequence has the same
+        tokens, so the mean of micro-batch losses is the global batch's)."""
+        self.sampler = shuffled_sampler(self.train_set, trainer=self.trainer, micro_batch_size=self.batch_size,
+                                        global_batch_size=self.global_batch_size)  # fmt: skip
         return StatefulDataLoader(self.train_set, batch_size=self.batch_size, num_workers=self.num_workers,
-                                  sampler=shuffled_sampler(self.train_set, trainer=self.trainer))  # fmt: skip
+                                  sampler=self.sampler)  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data layout, saved in checkpoints."""
+        return data_layout(self.sampler)
 
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in a fixed order."""
@@ -326,6 +360,18 @@ def pack(examples: Sequence[dict[str, list[int]]], *, block_size: int) -> list[d
     ]
 
 
+GLOBAL_TOKENS_KEY = "global_target_tokens"
+"""Batch key: the target tokens of the whole global batch the micro-batch belongs to (one value per row), which
+the loss is normalised by so that it is the same on any layout."""
+SAMPLE_INDEX_KEY = "sample_index"
+"""Batch key: each row's index in the training set (the run directory's ``samples.rank<R>.jsonl`` logs them)."""
+
+
+def target_count(row: Mapping[str, Sequence[int]]) -> int:
+    """The tokens of a tokenized row that are next-token targets in the loss (labels after the first, not -100)."""
+    return sum(1 for label in row["labels"][1:] if label != -100)
+
+
 class _Tokenized(Dataset):
     def __init__(self, rows: list[dict[str, list[int]]]) -> None:
         self.rows = rows
@@ -333,8 +379,10 @@ class _Tokenized(Dataset):
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, i: int) -> dict[str, list[int]]:
-        return self.rows[i]
+    def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
+        if isinstance(key, tuple):  # (index, target tokens of its global batch) from a weighted GlobalBatchSampler
+            return {**self.rows[key[0]], GLOBAL_TOKENS_KEY: key[1], SAMPLE_INDEX_KEY: key[0]}
+        return self.rows[key]
 
 
 class PadCollator:
@@ -343,14 +391,18 @@ class PadCollator:
     def __init__(self, pad_token_id: int) -> None:
         self.pad_token_id = pad_token_id
 
-    def __call__(self, batch: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         width = max(len(b["input_ids"]) for b in batch)
         pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
-        return {
+        out = {
             "input_ids": torch.tensor([pad(b["input_ids"], self.pad_token_id) for b in batch]),
             "attention_mask": torch.tensor([pad([1] * len(b["input_ids"]), 0) for b in batch]),
             "labels": torch.tensor([pad(b["labels"], -100) for b in batch]),
         }
+        for key in (GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY):
+            if key in batch[0]:
+                out[key] = torch.tensor([b[key] for b in batch])
+        return out
 
 
 class InstructionDataModule(LightningDataModule):
@@ -372,6 +424,10 @@ class InstructionDataModule(LightningDataModule):
         num_workers: DataLoader workers per rank.
         columns: The files' names for our fields, e.g. ``{"response": "output"}`` for Alpaca-format files or
             ``{"messages": "conversations"}`` for ShareGPT ones.
+        global_batch_size: Examples per optimizer step over all ranks and accumulation (default: ``batch_size`` x
+            ranks x ``accumulate_grad_batches``); kept when a run resumes on another number of ranks. Batches
+            carry their global batch's target tokens (``global_target_tokens``), so the loss is the global batch's
+            token mean on any layout.
     """
 
     def __init__(
@@ -389,10 +445,12 @@ class InstructionDataModule(LightningDataModule):
         pack: bool = False,
         num_workers: int = 0,
         columns: Mapping[str, str] | None = None,
+        global_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         self.tokenizer = load_tokenizer(tokenizer)
-        self.batch_size, self.num_workers = batch_size, num_workers
+        self.batch_size, self.num_workers, self.global_batch_size = batch_size, num_workers, global_batch_size
+        self.sampler: GlobalBatchSampler | None = None
         for file in [*(train_files or []), *(val_files or [])]:
             check_instruction_file(file, columns=columns)
         self.train_records = [
@@ -408,10 +466,16 @@ class InstructionDataModule(LightningDataModule):
         self.collate = PadCollator(self.tokenizer.pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches, resumable mid-epoch."""
+        """Shuffled training batches, resumable mid-epoch on any number of ranks."""
+        self.sampler = shuffled_sampler(self.train_set, trainer=self.trainer, micro_batch_size=self.batch_size,
+                                        global_batch_size=self.global_batch_size,
+                                        weights=[target_count(row) for row in self.train_set.rows])  # fmt: skip
         return StatefulDataLoader(self.train_set, batch_size=self.batch_size, collate_fn=self.collate,
-                                  sampler=shuffled_sampler(self.train_set, trainer=self.trainer),
-                          num_workers=self.num_workers)  # fmt: skip
+                                  sampler=self.sampler, num_workers=self.num_workers)  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data layout, saved in checkpoints."""
+        return data_layout(self.sampler)
 
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in file order."""

@@ -9,6 +9,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
+from lightning_fsdp_plus.app.data import GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY
 from lightning_fsdp_plus.loss import causal_lm_loss
 
 
@@ -50,6 +51,7 @@ class CausalLMModule(LightningModule):
         self.model = model
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.chunked_loss = chunked_loss
+        self._step_loss: Tensor | None = None
 
     @classmethod
     def from_pretrained(
@@ -93,10 +95,29 @@ class CausalLMModule(LightningModule):
         return causal_lm_loss(self.model, batch, chunked=self.chunked_loss)
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
-        """One optimisation step's loss, logged as ``train_loss``."""
-        loss = self.loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+        """One micro-batch's loss; ``train_loss`` is logged once per optimizer step.
+
+        A batch carrying its global batch's target tokens (``global_target_tokens``, from the app's data modules)
+        counts as its share of the global batch's token mean: the gradient and the logged ``train_loss`` are then
+        that mean whatever the number of ranks and micro-steps (a mean of micro-batch means weighs a short
+        micro-batch's tokens more). Other batches: the micro-batch's mean, logged as it is.
+        """
+        if not isinstance(batch, dict) or GLOBAL_TOKENS_KEY not in batch:
+            loss = self.loss(batch)
+            self.log("train_loss", loss, prog_bar=True)
+            return loss
+        batch = {k: v for k, v in batch.items() if k != SAMPLE_INDEX_KEY}
+        global_tokens = batch.pop(GLOBAL_TOKENS_KEY)[0].to(torch.float64)
+        labels = batch.get("labels", batch["input_ids"])
+        share = (labels[:, 1:] != -100).sum().to(torch.float64) / global_tokens.clamp(min=1)
+        part = self.loss(batch) * share.to(torch.float32)  # this micro-batch's part of the global batch's mean
+        self._step_loss = part.detach() + (self._step_loss if self._step_loss is not None else 0.0)
+        accumulate = self.trainer.accumulate_grad_batches
+        if (batch_idx + 1) % accumulate == 0:  # the global batch is complete: its mean over every rank's parts
+            self.log("train_loss", self._step_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
+            self._step_loss = None
+        # Lightning divides by the accumulation and FSDP averages the gradients over the ranks
+        return part * (accumulate * self.trainer.world_size)
 
     def on_validation_epoch_start(self) -> None:
         """Reset the token-weighted held-out loss."""

@@ -53,6 +53,7 @@ from lightning_fsdp_plus._dist import barrier
 from lightning_fsdp_plus.app.config import register_configs
 from lightning_fsdp_plus.app.config.validate import ConfigError, unread_in_this_sweep_job, validate_run_config
 from lightning_fsdp_plus.app.generate import greedy_generate
+from lightning_fsdp_plus.app.layout import AttemptLog, plan_layout, recorded_layout, resume_path
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
 from lightning_fsdp_plus.app.relay import JobStopped, run_relaying_signals
@@ -162,6 +163,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if last is not None:
         ckpt_path = str(last)
     resuming = last or (pending_hpc_checkpoint(output_dir) if ckpt_path is None else None)
+    attempts = None
+    if hasattr(datamodule, "global_batch_size"):  # the app's data modules: one global batch on any layout
+        checkpoint = resume_path(ckpt_path, output_dir)
+        layout = plan_layout(trainer=trainer, datamodule=datamodule, recorded=recorded_layout(checkpoint))
+        attempts = AttemptLog(output_dir, layout, resuming=checkpoint is not None)
+        trainer.callbacks.append(attempts)
     base = validate_base(trainer, module, datamodule, output_dir, resuming=resuming) if cfg.validate_before else {}
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
@@ -185,6 +192,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "activation_checkpointing": trainer.strategy.activation_checkpointing is not None,
         "auto_plan": _auto_choice(trainer.strategy),
         "world_size": trainer.world_size,
+        "global_batch_size": getattr(datamodule, "global_batch_size", None),
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "attempts": attempts.attempts if attempts is not None else None,
         "torch_threads_per_rank": torch.get_num_threads(),  # CPU: the rank's share of the host's cores
         "compile": _compile_report(trainer.strategy),
         "fit_time_s": fit_seconds,

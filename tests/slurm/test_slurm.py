@@ -20,6 +20,10 @@ OVERRIDES = ("trainer.max_steps=20", "checkpoint.every_n_train_steps=5", "genera
 """20 steps, a checkpoint every 5: a signal lands between the first checkpoint and the end, 15 steps to spare (the
 test sends it when the first checkpoint appears; the ranks stop one step later)."""
 
+EPOCH2 = ("trainer.max_steps=28", "checkpoint.every_n_train_steps=23", *OVERRIDES[2:])
+"""The medical set is 22 steps an epoch (360 examples, a global batch of 16): the first checkpoint, and the signal
+sent when it appears, fall inside the second epoch."""
+
 pytestmark = pytest.mark.usefixtures("slurm")
 
 
@@ -88,15 +92,16 @@ def adapter(path: Path) -> dict:
 
 
 def test_finetune_sbatch_runs_and_a_usr1_requeue_resumes_exactly(tmp_path):
-    """a) the sbatch example at world size 2 writes metrics.json; b) the same job sent USR1 after its first checkpoint:
-    every rank stops after one step, the HPC checkpoint is written, the job requeued, resumed from it (the log says
-    so), and its LoRA weights equal the uninterrupted run's bit for bit."""
-    whole = submit(tmp_path, "whole", *OVERRIDES, run_dir(tmp_path, "whole"))
+    """a) the sbatch example at world size 2 writes metrics.json; b) the same job sent USR1 after its first checkpoint,
+    inside its second epoch: every rank stops after one step, the HPC checkpoint is written, the job requeued,
+    resumed from it (the log says so), and its LoRA weights equal the uninterrupted run's bit for bit; c) requeued
+    onto one task instead, it keeps the global batch and ends within 1e-5 of the uninterrupted run."""
+    whole = submit(tmp_path, "whole", *EPOCH2, run_dir(tmp_path, "whole"))
     wait_gone(whole)
     metrics = json.loads((tmp_path / "whole" / "metrics.json").read_text())
     assert metrics["world_size"] == 2 and metrics["val_perplexity"] < metrics["base_val_perplexity"]
 
-    job = submit(tmp_path, "requeued", *OVERRIDES, run_dir(tmp_path, "requeued"))
+    job = submit(tmp_path, "requeued", *EPOCH2, run_dir(tmp_path, "requeued"))
     wait_for(tmp_path / "requeued" / "checkpoints" / "last.ckpt", job)
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     wait_gone(job)
@@ -111,6 +116,24 @@ def test_finetune_sbatch_runs_and_a_usr1_requeue_resumes_exactly(tmp_path):
     expected, got = adapter(tmp_path / "whole"), adapter(tmp_path / "requeued")
     assert all((expected[k] == got[k]).all() for k in expected)
     assert (tmp_path / "requeued" / "hpc_consumed" / "hpc_ckpt_1.ckpt").exists()  # kept, no longer reloaded
+    attempts = json.loads((tmp_path / "requeued" / "attempts.json").read_text())
+    assert len(attempts) == 2 and attempts[1]["start_step"] > 22  # resumed inside the second epoch
+
+    # c) requeued onto 1 task (NumTasks and NumCPUs updated while it is pending): the same global batches, 2 micro-steps
+    job = submit(tmp_path, "one_task", *EPOCH2, run_dir(tmp_path, "one_task"))
+    wait_for(tmp_path / "one_task" / "checkpoints" / "last.ckpt", job)
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    while state(job) != "PENDING":
+        assert state(job), "the job ended instead of being requeued"
+        time.sleep(0.2)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "NumTasks=1", "NumCPUs=1"], check=True)
+    wait_gone(job)
+    attempts = json.loads((tmp_path / "one_task" / "attempts.json").read_text())
+    assert [(a["world_size"], a["accumulate_grad_batches"], a["global_batch_size"]) for a in attempts] == [
+        (2, 1, 16), (1, 2, 16)]  # fmt: skip
+    got = adapter(tmp_path / "one_task")
+    assert max((expected[k].float() - got[k].float()).abs().max().item() for k in expected) <= 1e-5
+    assert "resuming on 1 ranks (micro-batch 8, accumulating 2)" in (tmp_path / "one_task.log").read_text()
 
 
 def test_scancel_stops_every_task_within_60_s_with_a_resumable_last_checkpoint(tmp_path):

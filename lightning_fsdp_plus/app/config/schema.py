@@ -126,7 +126,7 @@ class SyntheticDataSchema:
     _target_: str = "lightning_fsdp_plus.app.data.SyntheticLMDataModule"
     """The LightningDataModule class."""
     batch_size: int = 8
-    """Sequences per rank per step."""
+    """Sequences per rank per forward (the micro-batch)."""
     seq_len: int = 32
     """Tokens per sequence."""
     vocab_size: int = 128
@@ -139,6 +139,10 @@ class SyntheticDataSchema:
     """DataLoader workers per rank."""
     seed: int = 1
     """Seed of the synthetic sequences."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over every rank and accumulation step (null: batch_size x ranks x
+    trainer.accumulate_grad_batches). The run keeps it on any number of ranks, accumulating what fewer ranks cannot
+    hold; a resume keeps its checkpoint's unless this is set."""
 
 
 @dataclass
@@ -162,7 +166,7 @@ class InstructionDataSchema:
     val_split: str = "validation"
     """Held-out split of dataset_name."""
     batch_size: int = 8
-    """Sequences per rank per step."""
+    """Examples per rank per forward (the micro-batch)."""
     max_seq_len: int = 256
     """Truncation length, or the block length when packing."""
     mask_prompt: bool = True
@@ -175,6 +179,10 @@ class InstructionDataSchema:
     are read as {role, content}); a misspelt field is an error."""
     num_workers: int = 0
     """DataLoader workers per rank."""
+    global_batch_size: int | None = None
+    """Examples per optimizer step over every rank and accumulation step (null: batch_size x ranks x
+    trainer.accumulate_grad_batches). The run keeps it on any number of ranks, accumulating what fewer ranks cannot
+    hold; a resume keeps its checkpoint's unless this is set."""
 
 
 @dataclass

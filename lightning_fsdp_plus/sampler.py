@@ -7,7 +7,7 @@ and the batches belong to the run, not to the layout:
 
 * each epoch's order is a permutation of the dataset fixed by the seed and the epoch alone;
 * global batch ``k`` is the order's samples ``[k * G, (k + 1) * G)`` for the global batch size ``G``; an incomplete
-  last one is left out (on every layout alike: the next epoch's order differs);
+  last one is filled from the start of the order (as ``DistributedSampler`` pads, but the same on every layout);
 * a global batch is split into ``accumulate`` micro-steps of ``world_size`` micro-batches: micro-step ``j`` of rank
   ``r`` takes ``[(j * world_size + r) * m, ... + m)`` of it (``m``: the micro-batch size), so
   ``G = world_size * m * accumulate``;
@@ -83,11 +83,6 @@ class GlobalBatchSampler(DistributedSampler):
                                            micro_batch_size=micro_batch_size)  # fmt: skip
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.length = len(dataset)  # type: ignore[arg-type]
-        if self.length < global_batch_size:
-            raise LayoutError(
-                f"the training set has {self.length} samples, fewer than one global batch of"
-                f" {global_batch_size}: lower the global batch (or the micro-batch) or add data"
-            )
         if weights is not None and len(weights) != self.length:
             raise ValueError(f"weights has {len(weights)} entries for a dataset of {self.length}")
         self.weights = None if weights is None else torch.as_tensor(list(weights), dtype=torch.int64)
@@ -97,13 +92,16 @@ class GlobalBatchSampler(DistributedSampler):
 
     @property
     def global_batches(self) -> int:
-        """Whole global batches an epoch holds."""
-        return self.length // self.global_batch_size
+        """Global batches an epoch holds (the last one filled up, see :meth:`order`)."""
+        return -(-self.length // self.global_batch_size)
 
     def order(self, epoch: int) -> torch.Tensor:
-        """The epoch's permutation of sample indices (the same on every layout)."""
+        """The epoch's permutation of sample indices (the same on every layout), filled up to whole global batches
+        by repeating it from its start, as ``DistributedSampler`` pads: every sample is seen each epoch."""
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        return torch.randperm(self.length, generator=generator)
+        perm = torch.randperm(self.length, generator=generator)
+        total = self.global_batches * self.global_batch_size
+        return perm.repeat(-(-total // self.length))[:total]
 
     def __len__(self) -> int:
         return self.global_batches * self.accumulate * self.micro_batch_size

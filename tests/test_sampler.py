@@ -43,8 +43,9 @@ def _global_batches(samplers: list[GlobalBatchSampler], epoch: int) -> list[list
 @pytest.mark.parametrize("epoch", [0, 1, 5])
 def test_every_layout_sees_the_same_samples_in_the_same_global_batches(epoch):
     reference = _global_batches(_samplers(2, 8), epoch)
-    assert len(reference) == 100 // 16 and all(len(b) == 16 for b in reference)
-    assert len({i for b in reference for i in b}) == 96  # each sample at most once an epoch; the tail of 4 left out
+    assert len(reference) == 7 and all(len(b) == 16 for b in reference)
+    seen = [i for b in reference for i in b]
+    assert set(seen) == set(DATASET) and seen[100:] == seen[:12]  # every sample; the last batch filled from the start
     for world, micro in LAYOUTS:
         assert _global_batches(_samplers(world, micro), epoch) == reference, (world, micro)
     assert _global_batches(_samplers(2, 8), epoch + 1) != reference  # another epoch, another order
@@ -117,5 +118,11 @@ def test_layouts_that_cannot_keep_the_global_batch_name_the_numbers_and_the_near
         accumulation_for(global_batch_size=16, world_size=4, micro_batch_size=3)
     with pytest.raises(LayoutError, match="global_batch_size=0 must be a positive integer"):
         accumulation_for(global_batch_size=0, world_size=1, micro_batch_size=1)
-    with pytest.raises(LayoutError, match="the training set has 100 samples, fewer than one global batch of 128"):
-        GlobalBatchSampler(DATASET, global_batch_size=128, micro_batch_size=64, world_size=2)
+
+
+def test_a_training_set_smaller_than_a_global_batch_is_repeated_to_fill_it():
+    small = list(range(10))
+    samplers = [GlobalBatchSampler(small, global_batch_size=16, micro_batch_size=8, world_size=2, rank=r)
+                for r in range(2)]  # fmt: skip
+    (batch,) = _global_batches(samplers, 0)
+    assert sorted(set(batch)) == small and len(batch) == 16

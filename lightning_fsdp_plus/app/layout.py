@@ -10,6 +10,7 @@ the step it started at are appended to ``attempts.json`` in the run directory (a
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,19 @@ def plan_layout(*, trainer: Trainer, datamodule: Any, recorded: dict[str, int] |
     """Set the global batch and the trainer's accumulation for this attempt; return its layout.
 
     The global batch: ``datamodule.global_batch_size`` when set, else the checkpoint's, else this attempt's
-    ``batch_size x ranks x accumulate_grad_batches``. A layout that cannot keep it raises
-    :class:`~lightning_fsdp_plus.sampler.LayoutError` (before anything trains). A resume on another world size
-    warns once: the samples and global batches stay, each rank's random streams (dropout) do not.
+    ``batch_size x ranks x accumulate_grad_batches``. A micro-batch that does not divide it over the ranks is lowered
+    to the largest that does, with a warning (4 ranks resuming a run of 2 x 8 take 4 each); when none does (3 ranks
+    for 16), :class:`~lightning_fsdp_plus.sampler.LayoutError`, before anything trains. A resume on another world
+    size warns once: the samples and global batches stay, each rank's random streams (dropout) do not.
     """
     world, micro = trainer.world_size, datamodule.batch_size
     given = getattr(datamodule, "global_batch_size", None)
     total = given or (recorded or {}).get("global_batch_size") or micro * world * trainer.accumulate_grad_batches
+    fits = [m for m in range(min(micro, total // world), 0, -1) if total % (world * m) == 0]
+    if fits and fits[0] != micro:
+        rank_zero_warn(f"data.batch_size={micro} is lowered to {fits[0]}: the global batch of {total} on {world}"
+                       f" ranks needs a micro-batch that divides it (valid up to {micro}: {sorted(fits)})")  # fmt: skip
+        micro = datamodule.batch_size = fits[0]
     accumulate = accumulation_for(global_batch_size=total, world_size=world, micro_batch_size=micro)
     if accumulate != trainer.accumulate_grad_batches and trainer.accumulate_grad_batches != 1:
         rank_zero_warn(
@@ -119,7 +126,7 @@ class AttemptLog(Callback):
     def __init__(self, run_dir: Path, layout: dict[str, int], *, resuming: bool) -> None:
         self.path, self.layout, self.resuming = Path(run_dir) / ATTEMPTS_FILE, dict(layout), resuming
         self.attempts: list[dict[str, Any]] = []
-        """Every attempt of the run so far, this one last."""
+        """Every attempt of the run so far, this one last (on rank 0)."""
         self._samples: Any = None
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -131,11 +138,14 @@ class AttemptLog(Callback):
                              new_accumulate=self.layout["accumulate_grad_batches"])  # fmt: skip
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Record the attempt (its first step is the checkpoint's, 0 for a fresh run, which starts the list anew)."""
-        earlier = json.loads(self.path.read_text()) if self.resuming and self.path.is_file() else []
-        self.attempts = [*earlier, {"attempt": len(earlier) + 1, "start_step": trainer.global_step, **self.layout}]
+        """Record the attempt (its first step is the checkpoint's, 0 for a fresh run, which starts the list anew).
+        Rank 0 reads and writes the file (atomically); the other ranks only log their samples."""
         if trainer.is_global_zero:
-            self.path.write_text(json.dumps(self.attempts, indent=1))
+            earlier = json.loads(self.path.read_text()) if self.resuming and self.path.is_file() else []
+            self.attempts = [*earlier, {"attempt": len(earlier) + 1, "start_step": trainer.global_step, **self.layout}]
+            partial = self.path.with_name(f".{self.path.name}.tmp")
+            partial.write_text(json.dumps(self.attempts, indent=1))
+            os.replace(partial, self.path)
         samples = self.path.parent / f"samples.rank{trainer.global_rank}.jsonl"
         if not self.resuming:
             samples.unlink(missing_ok=True)

@@ -15,18 +15,32 @@ from lightning_fsdp_plus.sampler import LayoutError
 
 
 def test_a_layout_that_cannot_keep_the_global_batch_is_refused_before_training():
-    """What the app calls before ``fit`` (no process group yet): the checkpoint's global batch of 16 on 1 rank with
-    a micro-batch of 3; the app reports it as an ``Error:`` block with exit status 2."""
-    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    datamodule = SimpleNamespace(batch_size=3, global_batch_size=None)
+    """What the app calls before ``fit`` (no process group yet): the checkpoint's global batch of 16 on 3 ranks; the
+    app reports it as an ``Error:`` block with exit status 2."""
+    trainer = Trainer(accelerator="cpu", devices=3, logger=False, enable_checkpointing=False)
+    datamodule = SimpleNamespace(batch_size=8, global_batch_size=None)
     recorded = {"global_batch_size": 16, "world_size": 2, "micro_batch_size": 8, "accumulate_grad_batches": 1}
-    said = r"global batch size 16 cannot be split over 1 ranks x micro-batch 3 \(3 samples a micro-step\); the nearest"
-    with pytest.raises(LayoutError, match=said + " micro-batch that keeps it is 4"):
+    said = r"global batch size 16 cannot be split over 3 ranks x micro-batch 8 \(24 samples a micro-step\); no"
+    with pytest.raises(LayoutError, match=said + " micro-batch keeps it on 3 ranks: use a number of ranks"):
         plan_layout(trainer=trainer, datamodule=datamodule, recorded=recorded)
     assert issubclass(LayoutError, USER_ERRORS)
-    datamodule.batch_size = 4  # what the message says: 4 of 1 rank, accumulating 4
-    assert plan_layout(trainer=trainer, datamodule=datamodule, recorded=recorded)["accumulate_grad_batches"] == 4
-    assert trainer.accumulate_grad_batches == 4 and datamodule.global_batch_size == 16
+
+
+@pytest.mark.parametrize(("devices", "micro", "lowered", "accumulate"), [(4, 8, 4, 1), (1, 3, 2, 8), (2, 8, 8, 1)])
+def test_a_micro_batch_that_does_not_divide_the_global_batch_is_lowered_with_a_warning(
+    devices, micro, lowered, accumulate
+):
+    trainer = Trainer(accelerator="cpu", devices=devices, logger=False, enable_checkpointing=False)
+    datamodule = SimpleNamespace(batch_size=micro, global_batch_size=None)
+    recorded = {"global_batch_size": 16, "world_size": 2, "micro_batch_size": 8, "accumulate_grad_batches": 1}
+    if lowered == micro:
+        layout = plan_layout(trainer=trainer, datamodule=datamodule, recorded=recorded)
+    else:
+        with pytest.warns(UserWarning, match=f"data.batch_size={micro} is lowered to {lowered}: the global batch"):
+            layout = plan_layout(trainer=trainer, datamodule=datamodule, recorded=recorded)
+    assert layout == {"world_size": devices, "global_batch_size": 16, "micro_batch_size": lowered,
+                      "accumulate_grad_batches": accumulate}  # fmt: skip
+    assert datamodule.batch_size == lowered and trainer.accumulate_grad_batches == accumulate
 
 
 def test_a_fresh_layout_takes_the_trainers_accumulation_and_a_given_global_batch_wins():
@@ -78,5 +92,8 @@ def test_the_attempt_log_recounts_on_load_and_appends_each_attempt(tmp_path):
     log.on_train_end(trainer, None)
     attempts = json.loads((tmp_path / "attempts.json").read_text())
     assert attempts[1] == {"attempt": 2, "start_step": 4, **layout} and attempts[0]["world_size"] == 2
+    other = SimpleNamespace(global_step=4, is_global_zero=False, global_rank=1)
+    AttemptLog(tmp_path, layout, resuming=True).on_train_start(other, None)  # only rank 0 reads and writes it
+    assert len(json.loads((tmp_path / "attempts.json").read_text())) == 2
     AttemptLog(tmp_path, layout, resuming=False).on_train_start(trainer, None)  # a fresh run starts the list anew
     assert [a["attempt"] for a in json.loads((tmp_path / "attempts.json").read_text())] == [1]

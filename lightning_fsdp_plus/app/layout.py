@@ -60,7 +60,8 @@ def plan_layout(*, trainer: Trainer, datamodule: Any, recorded: dict[str, int] |
     ``batch_size x ranks x accumulate_grad_batches``. A micro-batch that does not divide it over the ranks is lowered
     to the largest that does, with a warning (4 ranks resuming a run of 2 x 8 take 4 each); when none does (3 ranks
     for 16), :class:`~lightning_fsdp_plus.sampler.LayoutError`, before anything trains. A resume on another world
-    size warns once: the samples and global batches stay, each rank's random streams (dropout) do not.
+    size warns once: the samples and global batches stay, each rank's random streams (dropout) do not. An integer
+    ``val_check_interval`` (the app's, in optimizer steps) is scaled to the micro-batches Lightning counts.
     """
     world, micro = trainer.world_size, datamodule.batch_size
     given = getattr(datamodule, "global_batch_size", None)
@@ -78,6 +79,10 @@ def plan_layout(*, trainer: Trainer, datamodule: Any, recorded: dict[str, int] |
         )
     trainer.accumulate_grad_batches = accumulate
     datamodule.global_batch_size = total
+    if isinstance(trainer.val_check_interval, int) and trainer.check_val_every_n_epoch is None:
+        # the app's interval counts optimizer steps; Lightning's counts micro-batches: validation, and the checkpoint
+        # saved after it, must fall between optimizer steps, not inside one's accumulation
+        trainer.val_check_interval *= accumulate
     if recorded is not None and recorded.get("world_size") != world:
         rank_zero_warn(
             f"resuming on {world} ranks (micro-batch {micro}, accumulating {accumulate}) a run"

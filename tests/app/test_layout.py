@@ -43,6 +43,14 @@ def test_a_micro_batch_that_does_not_divide_the_global_batch_is_lowered_with_a_w
     assert datamodule.batch_size == lowered and trainer.accumulate_grad_batches == accumulate
 
 
+def test_validation_every_n_optimizer_steps_stays_between_optimizer_steps_when_accumulating():
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, val_check_interval=3,
+                      check_val_every_n_epoch=None)  # fmt: skip
+    recorded = {"global_batch_size": 16, "world_size": 2, "micro_batch_size": 8, "accumulate_grad_batches": 1}
+    plan_layout(trainer=trainer, datamodule=SimpleNamespace(batch_size=8, global_batch_size=None), recorded=recorded)
+    assert trainer.accumulate_grad_batches == 2 and trainer.val_check_interval == 6  # every 3 optimizer steps
+
+
 def test_a_fresh_layout_takes_the_trainers_accumulation_and_a_given_global_batch_wins():
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, accumulate_grad_batches=3)
     unset = SimpleNamespace(batch_size=8, global_batch_size=None)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -130,9 +129,10 @@ def _output(run_dir: Path, name: str) -> str:
 
 def test_the_app_stops_on_sigterm_to_one_rank_and_resumes_with_ckpt_path_last(tmp_path):
     """A full fine-tune on 64 synthetic sequences (a global batch of 16: 4 steps an epoch), SIGTERM to one rank
-    inside epoch 2: on 2 ranks the resumed run ends bit for bit as the uninterrupted one, on 1 rank (accumulating 2,
-    ``trainer.devices=1`` and nothing else) within 1e-5."""
-    reference, run, single = tmp_path / "reference", tmp_path / "run", tmp_path / "single"
+    inside epoch 2, resumed on 1 rank (accumulating 2, ``trainer.devices=1`` and nothing else): within 1e-5 of the
+    uninterrupted run. (On the same 2 ranks a resume past epoch 1 is bit for bit: the SLURM requeue and the
+    LoRA resumes of ``tests/app/test_resume_layouts_distributed.py`` check it.)"""
+    reference, run = tmp_path / "reference", tmp_path / "run"
     small = "data.train_size=64"
     proc = _app(reference, "uninterrupted", small)
     assert proc.wait(timeout=300) == 0, failure_excerpt(_output(reference, "uninterrupted"))
@@ -146,15 +146,10 @@ def test_the_app_stops_on_sigterm_to_one_rank_and_resumes_with_ckpt_path_last(tm
     assert "every rank stopped after step" in output and "saved step" in output
     stopped = torch.load(run / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=True)
     assert stopped["epoch"] >= 1 and 4 < stopped["global_step"] < 16  # past the first epoch, not at the end
-    shutil.copytree(run, single)
-    resumed = _app(run, "resumed", small, "ckpt_path=last")
-    assert resumed.wait(timeout=300) == 0, failure_excerpt(_output(run, "resumed"))
-    state = torch.load(run / "resumed.pt", weights_only=True)
+    one = _app(run, "resumed", small, "ckpt_path=last", "trainer.devices=1")
+    assert one.wait(timeout=300) == 0, failure_excerpt(_output(run, "resumed"))
     ref_state = torch.load(reference / "uninterrupted.pt", weights_only=True)
-    assert max_diff(state, ref_state) == 0.0
-    one = _app(single, "resumed", small, "ckpt_path=last", "trainer.devices=1")
-    assert one.wait(timeout=300) == 0, failure_excerpt(_output(single, "resumed"))
-    assert max_diff(torch.load(single / "resumed.pt", weights_only=True), ref_state) <= 1e-5
-    attempts = json.loads((single / "attempts.json").read_text())
+    assert max_diff(torch.load(run / "resumed.pt", weights_only=True), ref_state) <= 1e-5
+    attempts = json.loads((run / "attempts.json").read_text())
     assert [(a["world_size"], a["accumulate_grad_batches"]) for a in attempts] == [(2, 1), (1, 2)]
     assert attempts[1]["start_step"] == stopped["global_step"]

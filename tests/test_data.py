@@ -243,3 +243,18 @@ def test_sharegpt_files_are_read_through_data_columns_and_bad_turns_are_named(tm
         broken = _write(tmp_path / f"bad{i}.jsonl", [json.dumps({"messages": CHAT}), json.dumps({"messages": turns})])
         with pytest.raises(DataError, match=rf"bad{i}.jsonl:2: .*{message}"):
             check_instruction_file(broken)
+
+
+def test_the_sample_indices_stay_on_the_cpu_when_the_batch_moves_to_the_device():
+    import torch
+
+    from lightning_fsdp_plus.app.data import GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY, InstructionDataModule
+
+    module = object.__new__(InstructionDataModule)  # the hook needs no data
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), GLOBAL_TOKENS_KEY: torch.tensor([5, 5]),
+             SAMPLE_INDEX_KEY: torch.tensor([7, 9])}  # fmt: skip
+    moved = module.transfer_batch_to_device(batch, torch.device("meta"), 0)
+    assert moved["input_ids"].device.type == "meta" and moved[GLOBAL_TOKENS_KEY].device.type == "meta"
+    assert moved[SAMPLE_INDEX_KEY].device.type == "cpu" and moved[SAMPLE_INDEX_KEY].tolist() == [7, 9]
+    plain = module.transfer_batch_to_device({"input_ids": torch.ones(1, 2)}, torch.device("meta"), 0)
+    assert plain["input_ids"].device.type == "meta"

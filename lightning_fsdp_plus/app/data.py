@@ -477,6 +477,15 @@ class InstructionDataModule(LightningDataModule):
         """The data layout, saved in checkpoints."""
         return data_layout(self.sampler)
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """The batch on ``device``, its sample indices left on the CPU: the run directory's sample log reads them
+        every micro-batch, which on an accelerator would wait for the device each time."""
+        if not isinstance(batch, dict) or SAMPLE_INDEX_KEY not in batch:
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+        rest = {k: v for k, v in batch.items() if k != SAMPLE_INDEX_KEY}
+        return {**super().transfer_batch_to_device(rest, device, dataloader_idx),
+                SAMPLE_INDEX_KEY: batch[SAMPLE_INDEX_KEY]}  # fmt: skip
+
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in file order."""
         return DataLoader(self.val_set, batch_size=self.batch_size, collate_fn=self.collate,

@@ -16,7 +16,6 @@ from lightning_fsdp_plus.app.data import (
     chat_segments,
     check_instruction_file,
     load_records,
-    pack,
     render_prompt,
     tokenize_chat,
     tokenize_example,
@@ -53,12 +52,26 @@ def test_prompt_tokens_are_masked_and_the_response_ends_with_eos(module):
     assert len(tokenize_example(record, module.tokenizer, max_seq_len=5)["input_ids"]) == 5
 
 
-def test_packing_makes_full_blocks_without_losing_label_alignment():
-    examples = [{"input_ids": list(range(i, i + 7)), "labels": [-100, *range(i + 1, i + 7)]} for i in range(0, 50, 10)]
-    blocks = pack(examples, block_size=8)
-    assert len(blocks) == 35 // 8 and all(len(b["input_ids"]) == len(b["labels"]) == 8 for b in blocks)
-    assert blocks[0]["input_ids"][:8] == [0, 1, 2, 3, 4, 5, 6, 10]
-    assert blocks[0]["labels"][7] == -100  # the next example's first (prompt) token stays masked
+def test_packing_puts_every_training_example_once_whole_into_fixed_rows():
+    train = REPO / "examples" / "medical_lora" / "data" / "train.jsonl"
+    kwargs = dict(tokenizer=TOKENIZER, train_files=[str(train)], val_files=[str(VAL)], max_seq_len=256, batch_size=4)
+    plain, packed = InstructionDataModule(**kwargs), InstructionDataModule(**kwargs, pack=True, seed=0)
+    examples = plain.train_set.rows
+    assert sorted(i for row in packed.packed_rows for i in row) == list(range(len(examples)))
+    assert len(packed.train_set) == len(packed.packed_rows) < 0.5 * len(examples)
+    for row, members in zip(packed.train_set.rows, packed.packed_rows, strict=True):
+        assert row["input_ids"] == [t for i in members for t in examples[i]["input_ids"]]
+        assert row["position_ids"] == [p for i in members for p in range(len(examples[i]["input_ids"]))]
+        assert row["labels"] == [t for i in members for t in [-100, *examples[i]["labels"][1:]]]
+    assert InstructionDataModule(**kwargs, pack=True, seed=0).packed_rows == packed.packed_rows
+    batch = packed.train_collate(packed.train_set.rows[:4])
+    assert batch["input_ids"].shape == batch["position_ids"].shape == (4, 256) and "attention_mask" not in batch
+    lengths = [len(r["input_ids"]) for r in packed.train_set.rows[:4]]
+    assert batch["padding_tokens"].tolist() == [256 - n for n in lengths]
+    assert batch["position_ids"][0, lengths[0] :].tolist() == list(range(256 - lengths[0]))  # padding: its own
+    assert batch["target_tokens"].tolist() == [int((r[1:] != -100).sum()) for r in batch["labels"]]
+    # the validation set stays one example per row, as unpacked
+    assert [r["input_ids"] for r in packed.val_set.rows] == [r["input_ids"] for r in plain.val_set.rows]
 
 
 def test_collator_pads_with_pad_id_no_attention_and_ignored_labels():
@@ -67,6 +80,7 @@ def test_collator_pads_with_pad_id_no_attention_and_ignored_labels():
     assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["labels"].tolist() == [[-100, 2, 3], [4, -100, -100]]
+    assert batch["padding_tokens"].tolist() == [0, 2] and batch["target_tokens"].tolist() == [2, 0]
 
 
 def test_jsonl_csv_and_parquet_and_a_local_dataset_give_the_same_records(tmp_path):
@@ -93,7 +107,8 @@ def test_bad_files_are_clear_errors(tmp_path):
 
 def test_module_batches_and_generation_prompts(module):
     batch = next(iter(module.val_dataloader()))
-    assert set(batch) == {"input_ids", "attention_mask", "labels"} and batch["input_ids"].shape[0] == 8
+    assert set(batch) == {"input_ids", "attention_mask", "labels", "padding_tokens", "target_tokens"}
+    assert batch["input_ids"].shape[0] == 8
     prompts = module.generation_prompts(2)
     first = json.loads(VAL.read_text().splitlines()[0])
     assert prompts[0] == {"question": first["instruction"], "prompt": render_prompt(first),

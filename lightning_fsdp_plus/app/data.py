@@ -3,7 +3,7 @@
 ``InstructionDataModule`` reads local JSONL/JSON/CSV/Parquet files (or a ``datasets`` dataset from the
 local cache) with Hugging Face ``datasets``, renders each example with a prompt template (a chat with the
 tokenizer's chat template where it has one), tokenizes it, masks the prompt out of the loss (labels -100), and
-optionally packs examples into fixed-length blocks.
+optionally packs whole examples into fixed-length rows (:mod:`lightning_fsdp_plus.packing`).
 
 Training loaders are torchdata's ``StatefulDataLoader``: Lightning saves their position in checkpoints, so a run
 resumed mid-epoch (after a preemption) continues with the next batch instead of starting the epoch again.
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_fsdp_plus.app.tokenizer import load_tokenizer
+from lightning_fsdp_plus.packing import pack_rows, packed_row
 from lightning_fsdp_plus.sampler import GlobalBatchSampler, LayoutError, accumulation_for
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -350,14 +351,14 @@ def encode_record(
     return tokenize_example(dict(record), tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)
 
 
-def pack(examples: Sequence[dict[str, list[int]]], *, block_size: int) -> list[dict[str, list[int]]]:
-    """Concatenate tokenized examples and cut the stream into ``block_size`` blocks (the tail is dropped)."""
-    ids = [t for e in examples for t in e["input_ids"]]
-    labels = [t for e in examples for t in e["labels"]]
-    return [
-        {"input_ids": ids[i : i + block_size], "labels": labels[i : i + block_size]}
-        for i in range(0, len(ids) - block_size + 1, block_size)
-    ]
+def pack_examples(
+    examples: Sequence[dict[str, list[int]]], *, row_len: int, seed: int = 0
+) -> tuple[list[dict[str, list[int]]], list[list[int]]]:
+    """Tokenized examples packed whole into rows of at most ``row_len`` tokens (:mod:`lightning_fsdp_plus.packing`:
+    best-fit decreasing, positions restarting per example, no loss across examples); returns the rows and, for
+    each, the indices of its examples."""
+    members = pack_rows([len(e["input_ids"]) for e in examples], row_len=row_len, seed=seed)
+    return [packed_row([examples[i] for i in row]) for row in members], members
 
 
 GLOBAL_TOKENS_KEY = "global_target_tokens"
@@ -365,6 +366,15 @@ GLOBAL_TOKENS_KEY = "global_target_tokens"
 the loss is normalised by so that it is the same on any layout."""
 SAMPLE_INDEX_KEY = "sample_index"
 """Batch key: each row's index in the training set (the run directory's ``samples.rank<R>.jsonl`` logs them)."""
+PADDING_KEY = "padding_tokens"
+"""Batch key: each row's padding tokens (for the run's padding share)."""
+TARGETS_KEY = "target_tokens"
+"""Batch key: each row's tokens in the loss (the run's *useful* tokens per second)."""
+BOOKKEEPING_KEYS = (GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY, PADDING_KEY, TARGETS_KEY)
+"""Batch keys that describe the batch and are not model inputs."""
+HOST_KEYS = (SAMPLE_INDEX_KEY, PADDING_KEY, TARGETS_KEY)
+"""Bookkeeping keys that stay on the CPU when a batch moves to the device: read every micro-batch on the host, they
+would otherwise wait for the device."""
 
 
 def target_count(row: Mapping[str, Sequence[int]]) -> int:
@@ -386,19 +396,31 @@ class _Tokenized(Dataset):
 
 
 class PadCollator:
-    """Right-pads a batch to its longest sequence; padding gets attention 0 and label -100."""
+    """Right-pads a batch to its longest row, or to ``length`` (packed rows: static shapes).
 
-    def __init__(self, pad_token_id: int) -> None:
-        self.pad_token_id = pad_token_id
+    Padding gets label -100 and, in rows of single examples, attention 0. Packed rows (they carry ``position_ids``)
+    get no ``attention_mask``: their padding is one more sequence with positions from 0, which transformers keeps
+    apart like any other example (:mod:`lightning_fsdp_plus.packing`). Every batch counts each row's padding and
+    loss tokens (``padding_tokens``, ``target_tokens``).
+    """
+
+    def __init__(self, pad_token_id: int, *, length: int | None = None) -> None:
+        self.pad_token_id, self.length = pad_token_id, length
 
     def __call__(self, batch: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        width = max(len(b["input_ids"]) for b in batch)
+        width = self.length or max(len(b["input_ids"]) for b in batch)
         pad = lambda seq, value: seq + [value] * (width - len(seq))  # noqa: E731
         out = {
             "input_ids": torch.tensor([pad(b["input_ids"], self.pad_token_id) for b in batch]),
-            "attention_mask": torch.tensor([pad([1] * len(b["input_ids"]), 0) for b in batch]),
             "labels": torch.tensor([pad(b["labels"], -100) for b in batch]),
         }
+        if "position_ids" in batch[0]:
+            out["position_ids"] = torch.tensor([b["position_ids"] + list(range(width - len(b["position_ids"])))
+                                                for b in batch])  # fmt: skip
+        else:
+            out["attention_mask"] = torch.tensor([pad([1] * len(b["input_ids"]), 0) for b in batch])
+        out[PADDING_KEY] = torch.tensor([width - len(b["input_ids"]) for b in batch])
+        out[TARGETS_KEY] = torch.tensor([target_count(b) for b in batch])
         for key in (GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY):
             if key in batch[0]:
                 out[key] = torch.tensor([b[key] for b in batch])
@@ -418,9 +440,11 @@ class InstructionDataModule(LightningDataModule):
         train_split: Split of ``dataset_name`` for training.
         val_split: Split of ``dataset_name`` for evaluation.
         batch_size: Sequences per rank per step.
-        max_seq_len: Tokens per example (longer ones are truncated) or per packed block.
+        max_seq_len: Tokens per example (longer ones are truncated), and per packed row.
         mask_prompt: Leave prompt tokens out of the loss (labels -100).
-        pack: Concatenate training examples into ``max_seq_len`` blocks (no padding).
+        pack: Pack whole training examples into rows of ``max_seq_len`` tokens (:mod:`lightning_fsdp_plus.packing`:
+            positions restart per example, no attention or loss across examples); the rows are made once, from
+            ``seed``, and shuffled every epoch like examples. Validation stays one example per row.
         num_workers: DataLoader workers per rank.
         columns: The files' names for our fields, e.g. ``{"response": "output"}`` for Alpaca-format files or
             ``{"messages": "conversations"}`` for ShareGPT ones.
@@ -428,6 +452,8 @@ class InstructionDataModule(LightningDataModule):
             ranks x ``accumulate_grad_batches``); kept when a run resumes on another number of ranks. Batches
             carry their global batch's target tokens (``global_target_tokens``), so the loss is the global batch's
             token mean on any layout.
+        seed: Seed of the packing's order among examples of equal length (default: the run's seed,
+            ``seed_everything``'s).
     """
 
     def __init__(
@@ -446,6 +472,7 @@ class InstructionDataModule(LightningDataModule):
         num_workers: int = 0,
         columns: Mapping[str, str] | None = None,
         global_batch_size: int | None = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.tokenizer = load_tokenizer(tokenizer)
@@ -461,8 +488,14 @@ class InstructionDataModule(LightningDataModule):
                             load_records(files=val_files, dataset_name=dataset_name, split=val_split)]  # fmt: skip
         encode = lambda r: encode_record(r, self.tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)  # noqa: E731
         train = [encode(r) for r in self.train_records]
-        self.train_set = _Tokenized(pack(train, block_size=max_seq_len) if pack else train)
+        self.packed_rows: list[list[int]] | None = None
+        """With ``pack``: the training examples in each row (indices into ``train_records``)."""
+        if pack:
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0)) if seed is None else seed
+            train, self.packed_rows = pack_examples(train, row_len=max_seq_len, seed=seed)
+        self.train_set = _Tokenized(train)
         self.val_set = _Tokenized([encode(r) for r in self.val_records])
+        self.train_collate = PadCollator(self.tokenizer.pad_token_id, length=max_seq_len if pack else None)
         self.collate = PadCollator(self.tokenizer.pad_token_id)
 
     def train_dataloader(self) -> DataLoader:
@@ -470,7 +503,7 @@ class InstructionDataModule(LightningDataModule):
         self.sampler = shuffled_sampler(self.train_set, trainer=self.trainer, micro_batch_size=self.batch_size,
                                         global_batch_size=self.global_batch_size,
                                         weights=[target_count(row) for row in self.train_set.rows])  # fmt: skip
-        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, collate_fn=self.collate,
+        return StatefulDataLoader(self.train_set, batch_size=self.batch_size, collate_fn=self.train_collate,
                                   sampler=self.sampler, num_workers=self.num_workers)  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
@@ -478,13 +511,14 @@ class InstructionDataModule(LightningDataModule):
         return data_layout(self.sampler)
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """The batch on ``device``, its sample indices left on the CPU: the run directory's sample log reads them
-        every micro-batch, which on an accelerator would wait for the device each time."""
-        if not isinstance(batch, dict) or SAMPLE_INDEX_KEY not in batch:
+        """The batch on ``device``, its sample indices and token counts left on the CPU (:data:`HOST_KEYS`): the
+        sample log and the run's metrics read them every micro-batch, which on an accelerator would wait for the
+        device each time."""
+        if not isinstance(batch, dict):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
-        rest = {k: v for k, v in batch.items() if k != SAMPLE_INDEX_KEY}
+        rest = {k: v for k, v in batch.items() if k not in HOST_KEYS}
         return {**super().transfer_batch_to_device(rest, device, dataloader_idx),
-                SAMPLE_INDEX_KEY: batch[SAMPLE_INDEX_KEY]}  # fmt: skip
+                **{k: v for k, v in batch.items() if k in HOST_KEYS}}  # fmt: skip
 
     def val_dataloader(self) -> DataLoader:
         """Held-out batches in file order."""

@@ -9,8 +9,9 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_fsdp_plus.app.data import GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY
+from lightning_fsdp_plus.app.data import BOOKKEEPING_KEYS, GLOBAL_TOKENS_KEY
 from lightning_fsdp_plus.loss import causal_lm_loss
+from lightning_fsdp_plus.packing import Route, attention_route, packed_model_inputs
 
 
 def target_tokens(batch: Tensor | dict[str, Tensor]) -> int:
@@ -52,6 +53,7 @@ class CausalLMModule(LightningModule):
         self.lr, self.weight_decay, self.betas = lr, weight_decay, tuple(betas)
         self.chunked_loss = chunked_loss
         self._step_loss: Tensor | None = None
+        self._route: Route | None = None
 
     @classmethod
     def from_pretrained(
@@ -86,12 +88,17 @@ class CausalLMModule(LightningModule):
 
     def loss(self, batch: Tensor | dict[str, Tensor]) -> Tensor:
         """Mean next-token cross-entropy of a batch (chunked unless ``chunked_loss=False``). No key/value cache:
-        nothing reads it in training or
-        validation, and in validation it would hold every layer's keys and values until the loss is computed."""
+        nothing reads it in training or validation, and in validation it would hold every layer's keys and values
+        until the loss is computed. Packed rows (``position_ids``, no ``attention_mask``) keep attention inside
+        their examples (:func:`~lightning_fsdp_plus.packing.packed_model_inputs`)."""
         if isinstance(batch, Tensor):
             batch = {"input_ids": batch, "labels": batch}
+        batch = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}
         if getattr(getattr(self.model, "config", None), "use_cache", None) is not None:
             batch = {**batch, "use_cache": False}
+        if "position_ids" in batch and batch.get("attention_mask") is None:
+            self._route = self._route or attention_route(self.model)
+            batch = packed_model_inputs(self.model, batch, route=self._route)
         return causal_lm_loss(self.model, batch, chunked=self.chunked_loss)
 
     def training_step(self, batch: Tensor | dict[str, Tensor], batch_idx: int) -> Tensor:
@@ -106,8 +113,7 @@ class CausalLMModule(LightningModule):
             loss = self.loss(batch)
             self.log("train_loss", loss, prog_bar=True)
             return loss
-        batch = {k: v for k, v in batch.items() if k != SAMPLE_INDEX_KEY}
-        global_tokens = batch.pop(GLOBAL_TOKENS_KEY)[0].to(torch.float64)
+        global_tokens = batch[GLOBAL_TOKENS_KEY][0].to(torch.float64)
         labels = batch.get("labels", batch["input_ids"])
         share = (labels[:, 1:] != -100).sum().to(torch.float64) / global_tokens.clamp(min=1)
         part = self.loss(batch) * share.to(torch.float32)  # this micro-batch's part of the global batch's mean

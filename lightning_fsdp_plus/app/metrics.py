@@ -1,4 +1,5 @@
-"""``RunMetrics``: the timing figures a run reports in ``metrics.json`` (step time, throughput).
+"""``RunMetrics``: the timing figures a run reports in ``metrics.json`` (step time, throughput, padding share, useful
+tokens per second).
 
 Memory figures come from :class:`~lightning_fsdp_plus.memory.MemoryMonitor`.
 """
@@ -15,6 +16,7 @@ from lightning.pytorch import Callback
 from torch import Tensor
 
 from lightning_fsdp_plus._dist import all_gather_object
+from lightning_fsdp_plus.app.data import PADDING_KEY, TARGETS_KEY
 
 
 def count_tokens(batch: Any) -> int:
@@ -26,8 +28,27 @@ def count_tokens(batch: Any) -> int:
     return 0
 
 
+def token_counts(batch: Any) -> tuple[int, int, int]:
+    """``(tokens, padding, useful)`` of a training batch: every position, the padding among them, and the tokens
+    in the loss (next-token targets not masked with -100). The app's batches count their padding and loss tokens
+    (``padding_tokens``, ``target_tokens``, on the CPU); a plain token tensor has no padding and every next token
+    as a target; another mapping counts from its ``attention_mask`` and ``labels``."""
+    tokens = count_tokens(batch)
+    if isinstance(batch, Tensor):
+        rows, length = (batch.shape[0], batch.shape[-1]) if batch.dim() == 2 else (1, batch.numel())
+        return tokens, 0, rows * max(length - 1, 0)
+    if not isinstance(batch, Mapping) or not tokens:
+        return 0, 0, 0
+    if PADDING_KEY in batch and TARGETS_KEY in batch:
+        return tokens, int(batch[PADDING_KEY].sum()), int(batch[TARGETS_KEY].sum())
+    mask = batch.get("attention_mask")
+    padding = 0 if mask is None or mask.dim() != 2 else int((mask == 0).sum())
+    labels = batch.get("labels", batch["input_ids"])
+    return tokens, padding, int((labels[:, 1:] != -100).sum())
+
+
 class RunMetrics(Callback):
-    """Times every training step and counts its tokens.
+    """Times every training step and counts its tokens: all of them, the padding, and the useful ones (in the loss).
 
     Arguments:
         warmup_steps: First steps left out of the step-time median (allocation, lazy init).
@@ -37,6 +58,8 @@ class RunMetrics(Callback):
         self.warmup_steps = warmup_steps
         self.step_times: list[float] = []
         self.tokens_per_step: list[int] = []
+        self.padding_tokens = 0
+        self.useful_tokens = 0
         self.first_step_s = float("nan")
         self._start = 0.0
 
@@ -50,24 +73,35 @@ class RunMetrics(Callback):
         if math.isnan(self.first_step_s):  # the first step this process ran (compiles, allocates)
             self.first_step_s = elapsed
         if trainer.global_step > self.warmup_steps:
+            tokens, padding, useful = token_counts(batch)
             self.step_times.append(elapsed)
-            self.tokens_per_step.append(count_tokens(batch))
+            self.tokens_per_step.append(tokens)
+            self.padding_tokens += padding
+            self.useful_tokens += useful
 
     def local_summary(self) -> dict[str, float]:
         """This rank's figures."""
         median = statistics.median(self.step_times) if self.step_times else float("nan")
         tokens = statistics.median(self.tokens_per_step) if self.tokens_per_step else 0
+        steps = len(self.step_times)
         return {
             "step_time_s_median": median,
-            "tokens_per_s_rank": tokens / median if self.step_times else float("nan"),
+            "tokens_per_s_rank": tokens / median if steps else float("nan"),
+            "useful_tokens_per_s_rank": self.useful_tokens / steps / median if steps else float("nan"),
+            "tokens_rank": sum(self.tokens_per_step),
+            "padding_tokens_rank": self.padding_tokens,
             "first_step_s": self.first_step_s,
         }
 
     def summary(self, trainer: Any) -> dict[str, float]:
-        """Figures over all ranks (a collective: call on every rank): maxima, and total tokens/s."""
+        """Figures over all ranks (a collective: call on every rank): maxima, total tokens/s (all and useful: in
+        the loss), and the padding share of the timed steps' tokens."""
         ranks = all_gather_object(self.local_summary())
+        tokens = sum(r["tokens_rank"] for r in ranks)
         return {
             "step_time_s_median": max(r["step_time_s_median"] for r in ranks),
             "tokens_per_s": sum(r["tokens_per_s_rank"] for r in ranks),
+            "useful_tokens_per_s": sum(r["useful_tokens_per_s_rank"] for r in ranks),
+            "padding_share": sum(r["padding_tokens_rank"] for r in ranks) / tokens if tokens else float("nan"),
             "first_step_s": max(r["first_step_s"] for r in ranks),
         }

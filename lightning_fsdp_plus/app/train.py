@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -213,8 +214,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero:
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
         before = f"{metrics['base_val_perplexity']:.2f} -> " if metrics["base_val_perplexity"] else ""
-        rank_zero_info(f"val perplexity {before}{metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
+        rank_zero_info(f"val perplexity {before}{metrics['val_perplexity']:.2f}; {throughput_line(metrics)};"
+                       f" metrics: {output_dir / METRICS_FILE}")  # fmt: skip
     return metrics
+
+
+def throughput_line(metrics: dict[str, Any]) -> str:
+    """The console's throughput report: useful (in-loss) tokens per second, of all tokens, and the padding share."""
+    useful, total, padding = (metrics.get(k) for k in ("useful_tokens_per_s", "tokens_per_s", "padding_share"))
+    if useful is None or total is None or padding is None or any(math.isnan(v) for v in (useful, total, padding)):
+        return "throughput not measured (no step after the timing warm-up)"
+    return f"{useful:,.0f} useful tokens/s of {total:,.0f} ({padding:.1%} padding)"
 
 
 def evaluate(cfg: DictConfig, *, trainer: Trainer, module: Any, datamodule: Any, output_dir: Path) -> dict[str, Any]:

@@ -2,19 +2,27 @@
 the held-out perplexity after one epoch, on the app as users run it (``scripts/run fsdp-plus-train``: 2 CPU ranks,
 tcmalloc).
 
-* **The shipped experiments** (``experiment=medical_lora``, ``legal_lora``), one epoch each way, at
-  ``data.max_seq_len=256`` so that no example is cut (the longest has 222 tokens): one example per row in
-  micro-batches of 8 padded to their longest; packed rows of 256 in micro-batches of 4.
+* **The shipped experiments** (``experiment=medical_lora``, ``legal_lora``) at ``data.max_seq_len=256``, so that no
+  example is cut (the longest has 222 tokens), one epoch a run. One example per row: micro-batches of 8, padded to
+  their longest. Packed: rows of 256, two ways:
+
+  - *throughput*: as many rows per micro-batch as the unpacked micro-batch has positions on average (the same
+    memory and work a step: ``round(8 x E[longest of 8] / 256)``, from the data's lengths);
+  - *one epoch*: as many rows per optimizer step as hold the unpacked step's 16 examples (``16 / examples per
+    row``, rounded to whole micro-batches on 2 ranks): the same training per step, so the held-out perplexity after
+    one epoch compares the models and not the number of optimizer steps.
+
 * **A wide length spread**: synthetic instruction files (words of the medical set, so the tiny Llama's tokenizer
-  reads them as it reads real text) whose examples have 20 to 500 tokens, rows of 512, micro-batches of 8 both ways,
-  ``--steps`` steps. Two length distributions: log-uniform (most examples short, a long tail: the shape of real
-  instruction sets, whose padding share is 50-70% unpacked) and uniform.
+  reads them as it reads real text) whose examples have 20 to 500 tokens, rows of 512, ``--steps`` steps,
+  micro-batches of 8 unpacked and of the same positions packed. Two length distributions: log-uniform (most
+  examples short, a long tail: the shape of real instruction sets, whose padding share is 50-70% unpacked) and
+  uniform.
 
-Per case: the padding share and useful (in-loss) tokens per second from each run's ``metrics.json``, their ratio
-against the bound ``0.9 / (1 - unpacked padding share)``, and the held-out perplexity. Runs are interleaved,
-``--repeats`` times; the table gives medians.
+Per case: the padding share and useful (in-loss) tokens per second from each run's ``metrics.json`` (medians over
+``--repeats`` interleaved runs: this machine's step times vary by up to 20% from run to run), the gain against the
+bound ``0.9 / (1 - unpacked padding share)``, and the held-out perplexity (deterministic: one run).
 
-    python -m benchmarks.packing --out outputs/measured/packing [--repeats 2] [--steps 30]
+    python -m benchmarks.packing --out outputs/measured/packing [--repeats 3] [--steps 30]
 """
 
 from __future__ import annotations
@@ -35,7 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ("medical_lora", "legal_lora")
 SPREADS = ("log-uniform", "uniform")
 COMMON = ("generate.num_prompts=0", "trainer.enable_progress_bar=false", "validate_before=false")
-MODES = {"unpacked": ("data.pack=false",), "packed": ("data.pack=true",)}
 
 
 def synthetic_files(out: Path, *, spread: str, n: int = 480, seed: int = 0) -> tuple[Path, Path, list[int]]:
@@ -55,12 +62,12 @@ def synthetic_files(out: Path, *, spread: str, n: int = 480, seed: int = 0) -> t
         for _ in range(count):
             target = round(math.exp(rng.uniform(math.log(20), math.log(500)))) if spread == "log-uniform" else (
                 rng.randint(20, 500))  # fmt: skip
-            record = {"instruction": rng.choice(words), "response": ""}
+            record = {"instruction": rng.choice(words), "response": rng.choice(words)}
             while True:  # grow the response a word at a time up to the target's tokens
                 size = len(encode_record(record, tokenizer, max_seq_len=10_000)["input_ids"])
                 if size >= target:
                     break
-                record["response"] = f"{record['response']} {rng.choice(words)}".strip()
+                record["response"] += f" {rng.choice(words)}"
             records.append(record)
             if name == "train":
                 lengths.append(size)
@@ -70,77 +77,124 @@ def synthetic_files(out: Path, *, spread: str, n: int = 480, seed: int = 0) -> t
     return paths[0], paths[1], lengths
 
 
+def training_lengths(train_file: Path, *, max_seq_len: int) -> list[int]:
+    """The tokenized lengths of a training file's examples, as the app tokenizes them."""
+    from lightning_fsdp_plus.app.data import InstructionDataModule
+
+    data = InstructionDataModule(tokenizer=str(REPO / "examples" / "assets" / "tiny-llama"),
+                                 train_files=[str(train_file)], val_files=[str(train_file)],
+                                 max_seq_len=max_seq_len)  # fmt: skip
+    return [len(r["input_ids"]) for r in data.train_set.rows]
+
+
+def same_positions(lengths: list[int], *, batch: int, row_len: int, seed: int = 0) -> int:
+    """Packed rows per micro-batch with the positions of an unpacked micro-batch of ``batch`` examples padded to
+    their longest (the mean over 1,000 random batches)."""
+    rng = random.Random(seed)
+    widest = statistics.mean(max(rng.sample(lengths, batch)) for _ in range(1000))
+    return max(1, round(batch * widest / row_len))
+
+
+def same_examples(lengths: list[int], *, examples_per_step: int, row_len: int, world: int = 2) -> int:
+    """Packed rows per micro-batch (on ``world`` ranks) whose optimizer step holds about ``examples_per_step``."""
+    from lightning_fsdp_plus.packing import pack_rows
+
+    per_row = len(lengths) / len(pack_rows(lengths, row_len=row_len))
+    return max(1, round(examples_per_step / per_row / world))
+
+
 def cases(out: Path, *, steps: int) -> dict[str, dict[str, list[str]]]:
-    """Each case's overrides per mode."""
-    shipped = {
-        experiment: {mode: [f"experiment={experiment}", "data.max_seq_len=256", "trainer.max_steps=-1",
-                            "trainer.max_epochs=1", f"data.batch_size={4 if mode == 'packed' else 8}", *flags]
-                     for mode, flags in MODES.items()}
-        for experiment in EXPERIMENTS
-    }  # fmt: skip
-    spread = {}
-    for name in SPREADS:
-        train, val, _ = synthetic_files(out / "data" / name, spread=name)
-        spread[f"spread-{name}"] = {
-            mode: ["experiment=medical_lora", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-                   "data.max_seq_len=512", "data.batch_size=8", f"trainer.max_steps={steps}",
-                   "trainer.limit_val_batches=4", *flags]
-            for mode, flags in MODES.items()
+    """Each case's overrides per mode (``unpacked``, ``packed``, and for the shipped experiments ``epoch``: packed
+    rows holding the unpacked step's examples)."""
+    plan = {}
+    for experiment in EXPERIMENTS:
+        lengths = training_lengths(REPO / "examples" / experiment / "data" / "train.jsonl", max_seq_len=256)
+        common = [f"experiment={experiment}", "data.max_seq_len=256", "trainer.max_steps=-1", "trainer.max_epochs=1"]
+        plan[experiment] = {
+            "unpacked": [*common, "data.pack=false", "data.batch_size=8"],
+            "packed": [*common, "data.pack=true", f"data.batch_size={same_positions(lengths, batch=8, row_len=256)}"],
+            "epoch": [*common, "data.pack=true",
+                      f"data.batch_size={same_examples(lengths, examples_per_step=16, row_len=256)}"],
         }  # fmt: skip
-    return {**shipped, **spread}
+    for spread in SPREADS:
+        train, val, lengths = synthetic_files(out / "data" / spread, spread=spread)
+        common = ["experiment=medical_lora", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                  "data.max_seq_len=512", f"trainer.max_steps={steps}", "trainer.limit_val_batches=4"]  # fmt: skip
+        plan[f"spread-{spread}"] = {
+            "unpacked": [*common, "data.pack=false", "data.batch_size=8"],
+            "packed": [*common, "data.pack=true", f"data.batch_size={same_positions(lengths, batch=8, row_len=512)}"],
+        }
+    return plan
 
 
-FIELDS = ("useful_tokens_per_s", "tokens_per_s", "padding_share", "val_perplexity", "step_time_s_median")
+FIELDS = ("useful_tokens_per_s", "tokens_per_s", "padding_share", "val_perplexity", "step_time_s_median",
+          "global_batch_size")  # fmt: skip
 
 
-def summarize(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, Any]]:
-    """Per case: each mode's medians of :data:`FIELDS`, the useful-throughput gain and the bound it is held to."""
+def overrides_value(overrides: list[str], key: str) -> str:
+    """The value ``key=`` has in ``overrides``."""
+    return next(o.split("=", 1)[1] for o in overrides if o.startswith(f"{key}="))
+
+
+def summarize(plan: dict[str, dict[str, list[str]]], runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict:
+    """Per case: each mode's medians of :data:`FIELDS`, the useful-throughput gain and the bound it is held to, and
+    the held-out perplexity change (the ``epoch`` run's where there is one)."""
     out = {}
     for case, modes in runs.items():
-        med = {mode: {f: statistics.median(r[f] for r in reps) for f in FIELDS} for mode, reps in modes.items()}
+        med = {mode: {f: statistics.median(r[f] for r in reps) for f in FIELDS} for mode, reps in modes.items() if reps}
         gain = med["packed"]["useful_tokens_per_s"] / med["unpacked"]["useful_tokens_per_s"]
         bound = 0.9 / (1 - med["unpacked"]["padding_share"])
-        ppl = med["packed"]["val_perplexity"] / med["unpacked"]["val_perplexity"] - 1
-        out[case] = {**med, "gain": gain, "bound": gain / bound, "perplexity_change": ppl}
+        compared = med.get("epoch", med["packed"])
+        out[case] = {**med, "gain": gain, "bound": bound, "gain_over_bound": gain / bound,
+                     "perplexity_change": compared["val_perplexity"] / med["unpacked"]["val_perplexity"] - 1,
+                     "batch": {mode: int(overrides_value(o, "data.batch_size")) for mode, o in plan[case].items()},
+                     "runs": {mode: len(reps) for mode, reps in modes.items()}}  # fmt: skip
     return out
 
 
-def report(summary: dict[str, dict[str, Any]], *, repeats: int) -> str:
+def report(summary: dict[str, dict[str, Any]]) -> str:
     """The results table (markdown)."""
     lines = [
-        f"| case | padding, unpacked | padding, packed | useful tokens/s, unpacked | useful tokens/s, packed | gain"
-        f" | gain / (0.9 / (1 - padding)) | held-out perplexity, unpacked -> packed | medians of {repeats} |",
+        "| case | micro-batch: unpacked / packed (/ one epoch) | padding, unpacked -> packed | useful tokens/s,"
+        " unpacked -> packed | gain | bound 0.9 / (1 - padding) | gain / bound | held-out perplexity, unpacked ->"
+        " packed | runs |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, s in summary.items():
         u, p = s["unpacked"], s["packed"]
-        lines.append(f"| {case} | {u['padding_share']:.1%} | {p['padding_share']:.1%} | {u['useful_tokens_per_s']:,.0f}"
-                     f" | {p['useful_tokens_per_s']:,.0f} | {s['gain']:.2f}x | {s['bound']:.2f} |"
-                     f" {u['val_perplexity']:.3f} -> {p['val_perplexity']:.3f} ({s['perplexity_change']:+.1%}) | |")  # fmt: skip
+        e = s.get("epoch", p)
+        batches = " / ".join(str(b) for b in s["batch"].values())
+        lines.append(f"| {case} | {batches} | {u['padding_share']:.1%} -> {p['padding_share']:.1%} |"
+                     f" {u['useful_tokens_per_s']:,.0f} -> {p['useful_tokens_per_s']:,.0f} | {s['gain']:.2f}x |"
+                     f" {s['bound']:.2f}x | {s['gain_over_bound']:.2f} | {u['val_perplexity']:.3f} ->"
+                     f" {e['val_perplexity']:.3f} ({s['perplexity_change']:+.1%}) |"
+                     f" {'/'.join(str(n) for n in s['runs'].values())} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run every case both ways, interleaved; write ``results.json`` and ``results.md`` under ``--out``."""
+    """Run every case's modes, interleaved; write ``results.json`` and ``results.md`` under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "measured" / "packing")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30, help="steps of the wide-spread runs")
     parser.add_argument("--only", nargs="*", help="case names to run (default: all)")
     args = parser.parse_args(argv)
     plan = cases(args.out, steps=args.steps)
     plan = {k: v for k, v in plan.items() if not args.only or k in args.only}
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {case: {m: [] for m in MODES} for case in plan}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {case: {m: [] for m in modes} for case, modes in plan.items()}
     for repeat in range(args.repeats):
         for case, modes in plan.items():
             for mode, overrides in modes.items():
+                if mode == "epoch" and repeat:
+                    continue  # its figure is the perplexity: deterministic
                 metrics = run_train([*overrides, *COMMON], out=args.out / f"{case}-{mode}-{repeat}")
                 runs[case][mode].append({f: metrics[f] for f in FIELDS})
                 print(case, mode, {f: metrics[f] for f in FIELDS}, flush=True)
-    summary = summarize(runs)
-    (args.out / "results.json").write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
-    (args.out / "results.md").write_text(report(summary, repeats=args.repeats))
-    print(report(summary, repeats=args.repeats))
+    summary = summarize(plan, runs)
+    (args.out / "results.json").write_text(json.dumps({"plan": plan, "runs": runs, "summary": summary}, indent=1))
+    (args.out / "results.md").write_text(report(summary))
+    print(report(summary))
 
 
 if __name__ == "__main__":

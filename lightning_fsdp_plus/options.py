@@ -166,7 +166,11 @@ class FSDPPlusOptions:
     """``sharding_strategy="auto"``: sequences per rank per step the activations are planned for (required)."""
     plan_seq_len: int | None = None
     """``sharding_strategy="auto"``: tokens per sequence the activations are planned for (required: the longest
-    sequence a batch may carry)."""
+    sequence a batch may carry; with packing, the row length)."""
+    plan_packed: bool | None = None
+    """``sharding_strategy="auto"``: the batches are packed rows (:mod:`lightning_fsdp_plus.packing`), planned with
+    their block attention mask; ``None``/``False``: rows of single examples. The Hydra app sets it from
+    ``data.pack``."""
 
     def __post_init__(self) -> None:
         strategy, reshard = compat.sharding_strategy_from(self.sharding_strategy)
@@ -243,6 +247,8 @@ class FSDPPlusOptions:
             value = getattr(self, key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{key}={value!r} must be a positive integer")
+        if self.plan_packed not in (None, True, False):
+            raise ValueError(f"plan_packed={self.plan_packed!r} must be true, false or None")
         if not self.auto:
             return
         missing = [key for key in ("memory_budget", "plan_batch_size", "plan_seq_len") if getattr(self, key) is None]
@@ -323,7 +329,7 @@ class FSDPPlusOptions:
                                    hybrid_shard_size=hybrid)  # fmt: skip
 
 
-AUTO_ONLY = ("memory_budget", "plan_batch_size", "plan_seq_len", "allow_quantize", "link_bandwidth")
+AUTO_ONLY = ("memory_budget", "plan_batch_size", "plan_seq_len", "plan_packed", "allow_quantize", "link_bandwidth")
 """Options only the auto plan reads: given beside a pinned ``sharding_strategy`` they would do nothing."""
 
 

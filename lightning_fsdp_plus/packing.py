@@ -93,8 +93,20 @@ def packed_row(examples: Sequence[Mapping[str, Sequence[int]]]) -> dict[str, lis
 
 
 def _transformers_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside ``model`` (PEFT, FSDP and Lightning wrappers allowed), or ``None``."""
-    return next((m for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")), None)
+    """The outermost transformers model inside ``model`` (PEFT and Lightning wrappers allowed), or ``None``."""
+    return next((m for m in model.modules() if _transformers_class(m) is not None), None)
+
+
+def _transformers_class(module: nn.Module) -> type | None:
+    """The model class of a transformers ``PreTrainedModel`` (remote code's too), past the subclass FSDP2 makes of
+    it in torch's own module; ``None`` for anything else (PEFT's wrapper only forwards ``config``)."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency of every packed run
+        return None
+    if not isinstance(module, PreTrainedModel):
+        return None
+    return next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
 
 
 def attention_route(model: nn.Module) -> Route:
@@ -109,7 +121,7 @@ def attention_route(model: nn.Module) -> Route:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
     implementation = str(inner.config._attn_implementation)
-    code = sys.modules.get(type(inner).__module__)
+    code = sys.modules.get(_transformers_class(inner).__module__)
     makers = ("create_causal_mask", "create_sliding_window_causal_mask")
     uses_masking_utils = any(hasattr(code, name) for name in makers)
     registered = implementation in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping or "flash" in implementation

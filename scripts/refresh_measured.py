@@ -7,6 +7,7 @@
     python scripts/refresh_measured.py autoplan     # python -m benchmarks.autoplan: predicted vs measured (~4 min)
     python scripts/refresh_measured.py published    # python -m benchmarks.published: ours vs published runs (~5 min)
     python scripts/refresh_measured.py vocab        # python -m benchmarks.vocab_memory: 128k/152k runs (~40 min)
+    python scripts/refresh_measured.py packing      # python -m benchmarks.packing: packed vs unpacked (~25 min)
     python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.md
 
 Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in its page of
@@ -125,6 +126,7 @@ TARGETS: dict[str, tuple[str, list[str], Callable[..., str]]] = {
     "autoplan": ("measured/autoplan.md", ["-m", "benchmarks.autoplan"], benchmark_block),
     "published": ("measured/published.md", ["-m", "benchmarks.published"], benchmark_block),
     "vocab": ("measured/vocab.md", ["-m", "benchmarks.vocab_memory"], benchmark_block),
+    "packing": ("measured/examples.md", ["-m", "benchmarks.packing"], benchmark_block),
 }
 """Each block's page in ``docs/``, what it runs (arguments to ``python``) and how its output becomes the block."""
 

@@ -107,7 +107,11 @@ def test_our_block_mask_is_causal_within_each_example_and_closed_across():
 
 
 def test_transformers_models_take_the_position_ids_route_and_other_models_are_refused():
+    from peft import LoraConfig, get_peft_model
+
     assert attention_route(build("llama", "sdpa")) == "position_ids"
+    peft_model = get_peft_model(build("qwen2", "sdpa"), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert attention_route(peft_model) == "position_ids"  # the model inside PEFT's wrapper decides
     model = build("gpt2", "eager")
     model.config._attn_implementation = "my_kernel"  # not registered with transformers' mask functions
     assert attention_route(model) == "block_mask"

@@ -33,4 +33,6 @@ def test_packed_rows_train_as_their_examples_one_per_row(results, name):
     packed, single = case["positions"]["packed"], case["positions"]["single"]
     assert all(shape == [ROWS, ROW_LEN] for shape in packed)  # fixed shapes: what compile keeps static
     assert bool(case["compiled"]) == (name == "llama/compiled")
+    # transformers' own packed-sequence route, through FSDP2's and PEFT's wrappers; the reference has masks
+    assert case["route"] == "position_ids" and case["reference_route"] is None
     assert all(s[0] >= 2 * ROWS for s in single)  # the same examples took two rows or more each unpacked

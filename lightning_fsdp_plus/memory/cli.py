@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--padded", action="store_true", help="batches carry padding (attention mask): attention saves more"
     )
+    parser.add_argument("--packed", action="store_true",
+                        help="batches are packed rows (data.pack=true: position_ids restart per example, a block"
+                        " attention mask); --seq-len is the row length")  # fmt: skip
     parser.add_argument("--platform", choices=list(PLATFORMS),
                         help="what the real peak is for: all-gather copies and the allocator's overhead (default: cuda;"
                         " with --hardware cpu, cpu-tcmalloc where tcmalloc is installed (scripts/run preloads it),"
@@ -257,7 +260,7 @@ def run_plan(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
         memory = hardware.device_memory or device_memory(torch.device("cpu"))
         plan = predict_memory(
             args.config, options=options, world_size=args.world_size[0], precision=args.precision,
-            batch=ForwardBatch(args.batch_size, args.seq_len, args.padded), margin=args.memory_margin,
+            batch=ForwardBatch(args.batch_size, args.seq_len, args.padded, args.packed), margin=args.memory_margin,
             budget=parse_budget(args.budget, device_memory=memory, key="--budget"), budget_text=args.budget,
             quantize=(args.quantize_base,) if args.quantize_base else (None, *args.allow_quantize),
             lora_run=lora is not None, accelerator=hardware.accelerator, optimizer=args.optimizer,
@@ -293,7 +296,7 @@ def run(argv: Sequence[str] | None = None) -> str:
             **({"quantize_blocksize": args.quantize_blocksize, "quantize_double": args.quantize_double}
                if args.quantize_base in ("nf4", "fp4") else {}),
             activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
-            seq_len=args.seq_len, simulate=args.simulate, platform=_platform(args),
+            packed=args.packed, seq_len=args.seq_len, simulate=args.simulate, platform=_platform(args),
             activation_checkpointing_mode=args.checkpointing_mode, chunked_loss=not args.unchunked_loss,
         )  # fmt: skip
     except (EstimateError, ValueError) as err:
@@ -312,6 +315,7 @@ def run(argv: Sequence[str] | None = None) -> str:
         + (", the model's own (unchunked) loss" if args.config and args.unchunked_loss else "")
         + (f"; activations for batch {args.batch_size} x {args.seq_len} tokens" if args.config else "")
         + (", padded" if args.config and args.padded else "")
+        + (", packed rows" if args.config and args.packed else "")
         + (
             f"; real peak on {_platform(args).name}"
             if args.config

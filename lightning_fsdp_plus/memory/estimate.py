@@ -584,6 +584,7 @@ def estimate_memory(
     batch_size: int = 1,
     seq_len: int = 2048,
     padded: bool = False,
+    packed: bool = False,
     simulate: bool = False,
     platform: Platform = PLATFORMS["cuda"],
     chunked_loss: bool = True,
@@ -622,7 +623,10 @@ def estimate_memory(
         raise EstimateError("activation_checkpointing needs config=... (the layers to checkpoint)")
     if simulate and config is None:
         raise EstimateError("simulate=True builds the model: give config=... (a transformers config.json)")
-    batch = ForwardBatch(batch_size=batch_size, seq_len=seq_len, padded=padded)
+    if padded and packed:
+        raise EstimateError("padded=True and packed=True: a batch is rows of single examples padded to the longest,"
+                            " or packed rows (data.pack) with no attention mask; give one")  # fmt: skip
+    batch = ForwardBatch(batch_size=batch_size, seq_len=seq_len, padded=padded, packed=packed)
     if params is not None:
         model = describe_param_count(
             params, trainable_fraction=1.0 if trainable_fraction is None else trainable_fraction,

@@ -36,6 +36,9 @@ class ForwardBatch:
     """Tokens per sequence."""
     padded: bool = False
     """Give the batch an attention mask with a padded position (the masked attention path)."""
+    packed: bool = False
+    """Rows of several examples (:mod:`lightning_fsdp_plus.packing`): ``position_ids`` restarting mid-row and no
+    attention mask, so that attention takes its masked path with a ``[batch, 1, seq, seq]`` block mask."""
 
 
 class CausalLMHolder(nn.Module):
@@ -137,11 +140,16 @@ def to_fake(model: nn.Module) -> nn.Module:
 
 def example_batch(*, vocab_size: int, batch: ForwardBatch) -> dict[str, torch.Tensor]:
     """Token ids (and labels) for one forward; ``padded`` adds an attention mask with one padded position,
-    as padding collators produce: attention then takes its masked path, which saves more for backward."""
+    as padding collators produce: attention then takes its masked path, which saves more for backward; ``packed``
+    gives packed rows' ``position_ids`` (two examples a row), whose block mask takes the same path."""
     ids = torch.randint(0, vocab_size, (batch.batch_size, batch.seq_len))
     out = {"input_ids": ids, "labels": ids}
     if batch.padded:
         mask = torch.ones(batch.batch_size, batch.seq_len, dtype=torch.long)
         mask[0, -1] = 0
         out["attention_mask"] = mask
+    if batch.packed:  # two examples a row; no cache, as packed rows run (transformers detects them only so)
+        half = batch.seq_len // 2
+        positions = torch.cat([torch.arange(half), torch.arange(batch.seq_len - half)])
+        out.update(position_ids=positions.expand(batch.batch_size, -1), use_cache=False)
     return out

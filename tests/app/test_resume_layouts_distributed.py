@@ -1,11 +1,11 @@
-"""A run resumed past its first epoch, on the same or another number of ranks, continues exactly (issue 46).
+"""A run resumed past its first epoch, on the same or another number of ranks, continues exactly (issues 46, 47).
 
-The medical LoRA experiment on an int8 base, on 48 of its examples: a global batch of 16 (2 ranks x 8), 3 steps an
-epoch, 9 steps. The uninterrupted run keeps a checkpoint of every step; the resumed runs start from two of them in
-run directories of their own, as a job that died right after writing it would: at the end of epoch 1 (step 3) and
-inside epoch 2 (step 4). Every resumed run sees the uninterrupted run's samples in the same global batches; on 2
-ranks it ends bit for bit where the uninterrupted run ends, on 1 rank (accumulating 2) and on 4 (micro-batch 4)
-within float rounding.
+The medical LoRA experiment on an int8 base, on 48 of its examples packed into rows of 192 tokens (``data.pack``:
+27 rows of whole examples, made once from the seed): a global batch of 16 rows (2 ranks x 8), 2 steps an epoch, 9
+steps. The uninterrupted run keeps a checkpoint of every step; the resumed runs start from two of them in run
+directories of their own, as a job that died right after writing it would: inside epoch 2 (step 3) and at its end
+(step 4). Every resumed run sees the uninterrupted run's rows in the same global batches; on 2 ranks it ends bit for
+bit where the uninterrupted run ends, on 1 rank (accumulating 2) and on 4 (micro-batch 4) within float rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 STEPS = 9
 COMMON = ("experiment=medical_lora", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1",
           "generate.num_prompts=0", "validate_before=false", "trainer.enable_progress_bar=false",
-          f"trainer.max_steps={STEPS}")  # fmt: skip
+          f"trainer.max_steps={STEPS}", "data.pack=true", "data.max_seq_len=192")  # fmt: skip
 
 
 def _train(run_dir: Path, *overrides: str) -> None:
@@ -45,7 +45,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def samples(run_dir: Path) -> dict[int, list[int]]:
-    """The training-set indices of each optimizer step's global batch, over every rank and micro-step."""
+    """The training-set (row) indices of each optimizer step's global batch, over every rank and micro-step."""
     out: dict[int, list[int]] = {}
     for path in run_dir.glob("samples.rank*.jsonl"):
         for line in path.read_text().splitlines():
@@ -69,7 +69,7 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
 @pytest.mark.parametrize(
     ("step", "devices", "micro", "exact"),
     [(4, 2, 8, True), (3, 2, 8, True), (4, 1, 8, False), (4, 4, 4, False)],
-    ids=["epoch2-same", "epoch-boundary-same", "epoch2-on-1-rank", "epoch2-on-4-ranks"],
+    ids=["epoch-boundary-same", "epoch2-same", "epoch-boundary-on-1-rank", "epoch-boundary-on-4-ranks"],
 )
 def test_a_resume_sees_the_same_global_batches_and_ends_where_the_uninterrupted_run_ends(
     uninterrupted, tmp_path, step, devices, micro, exact

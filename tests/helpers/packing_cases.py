@@ -3,10 +3,11 @@
     python -m torch.distributed.run --nproc_per_node=2 --standalone tests/helpers/packing_cases.py --out DIR
 
 The shipped medical instructions through ``InstructionDataModule``: packed (``pack=True``, rows of ``ROW_LEN``) and
-one example per row (padded, attention masks). Each rank's micro-batch ``s`` holds packed rows of two
-examples or more, ``[(s * world + rank) * ROWS, + ROWS)`` of them, in the packed run, and exactly those rows' examples in the reference run, so
-both see the same target tokens: with no attention and no loss across examples the losses, gradients and
-parameters are the same. The app's ``CausalLMModule`` (chunked loss), AdamW, clipping by norm on.
+one example per row (padded, attention masks). Each rank's micro-batch ``s`` holds ``ROWS`` packed rows of two
+examples or more (``[(s * world + rank) * ROWS, + ROWS)`` of them) in the packed run, and exactly those rows'
+examples in the reference run, so both see the same target tokens: with no attention and no loss across examples
+the losses, gradients and parameters are the same. The app's ``CausalLMModule`` (chunked loss), AdamW, clipping by
+norm on.
 
 Cases (fp32): FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD full fine-tunes (Llama, Qwen2, GPT-2 with
 learned positions), LoRA on an int8 base (replicated) and on an NF4 base (sharded), activation checkpointing, and
@@ -74,6 +75,7 @@ class Record(Callback):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         self.state = get_model_state_dict(trainer.strategy.model, options=options)
         self.compiled = list(trainer.strategy.sharding_plan.compiled)
+        self.route = module._route
 
 
 def micro_batches(packed: InstructionDataModule, single: InstructionDataModule, *, pack: bool) -> list[dict]:
@@ -114,6 +116,8 @@ def compare(run: Record, reference: Record, batches: dict[str, list[dict]]) -> d
         "param_diff": max(diffs, default=None),
         "losses": run.losses,
         "compiled": run.compiled,
+        "route": run.route,
+        "reference_route": reference.route,
         "positions": {name: [b["input_ids"].shape for b in runs] for name, runs in batches.items()},
     }
 

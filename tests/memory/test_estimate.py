@@ -15,7 +15,7 @@ from lightning_fsdp_plus.loss import causal_lm_loss
 from lightning_fsdp_plus.memory.assumptions import assumptions_markdown
 from lightning_fsdp_plus.memory.cli import run
 from lightning_fsdp_plus.memory.estimate import count_activations, describe_config, estimate_memory
-from lightning_fsdp_plus.memory.fake import ForwardBatch
+from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.sharding import apply_activation_checkpointing
 from tests.helpers.launch import REPO
@@ -164,6 +164,24 @@ def test_padded_batches_take_the_masked_attention_path_and_save_more(tmp_path):
     padded, _ = estimate_memory(config=tmp_path, world_size=2, precision="32-true", batch_size=3, seq_len=16,
                                 padded=True)  # fmt: skip
     assert padded.activation_bytes == real > plain.activation_bytes
+
+
+def test_packed_rows_are_counted_as_they_run_with_their_block_mask(tmp_path):
+    from lightning_fsdp_plus.packing import packed_model_inputs
+
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path)
+    rows = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]  # two examples a row, as estimated
+    ids = torch.tensor([[t for row in rows for t in row]] * 3)
+    positions = torch.tensor([[p for row in rows for p in range(len(row))]] * 3)
+    batch = packed_model_inputs(model, {"input_ids": ids, "position_ids": positions})
+    real = count_activations(lambda: causal_lm_loss(model, batch), precision="32-true")
+    plain, _ = estimate_memory(config=tmp_path, world_size=2, precision="32-true", batch_size=3, seq_len=16)
+    packed, _ = estimate_memory(config=tmp_path, world_size=2, precision="32-true", batch_size=3, seq_len=16,
+                                packed=True)  # fmt: skip
+    assert packed.activation_bytes == real > plain.activation_bytes
+    with pytest.raises(EstimateError, match="padded=True and packed=True: a batch is rows of single examples"):
+        estimate_memory(config=tmp_path, world_size=2, seq_len=16, padded=True, packed=True)
 
 
 def test_simulate_agrees_with_the_arithmetic_on_what_both_count(tmp_path):

@@ -168,11 +168,13 @@ class InstructionDataSchema:
     batch_size: int = 8
     """Examples per rank per forward (the micro-batch)."""
     max_seq_len: int = 256
-    """Truncation length, or the block length when packing."""
+    """Truncation length of an example, and the row length when packing."""
     mask_prompt: bool = True
     """Leave prompt tokens out of the loss."""
     pack: bool = False
-    """Pack training examples into max_seq_len blocks."""
+    """Pack whole training examples into rows of max_seq_len tokens (best-fit decreasing, made once from the seed;
+    positions restart per example, no attention or loss across examples); batch sizes then count rows. Validation
+    stays one example per row."""
     columns: dict[str, str] = field(default_factory=lambda: {f: f for f in DATA_FIELDS})
     """The files' name for each of our fields (instruction, input, response, messages), e.g. response: output for
     Alpaca files (instruction, input, output), messages: conversations for ShareGPT files ({from, value} turns

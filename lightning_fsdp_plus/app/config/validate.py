@@ -143,7 +143,8 @@ def _plans(strategy: Any) -> bool:
 
 def fill_auto_plan(cfg: Any) -> None:
     """With ``strategy.sharding_strategy=auto``: plan for the data's batch and sequence length unless the strategy
-    node says otherwise (``data.batch_size``; ``data.max_seq_len``, else ``data.seq_len``)."""
+    node says otherwise (``data.batch_size``; ``data.max_seq_len``, else ``data.seq_len``; packed rows when
+    ``data.pack``)."""
     strategy, data = cfg.strategy, cfg.data
     if not _plans(strategy):
         return
@@ -151,6 +152,8 @@ def fill_auto_plan(cfg: Any) -> None:
         strategy.plan_batch_size = data.batch_size
     if strategy.get("plan_seq_len") is None:
         strategy.plan_seq_len = data.get("max_seq_len") or data.get("seq_len")
+    if strategy.get("plan_packed") is None and data.get("pack"):
+        strategy.plan_packed = True
 
 
 def unread_in_this_sweep_job(cfg: Any) -> dict[str, tuple[Any, str]]:

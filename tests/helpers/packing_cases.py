@@ -22,14 +22,14 @@ import json
 from pathlib import Path
 
 import torch
-from lightning.pytorch import Callback, Trainer, seed_everything
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader
 
 from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus._dist import barrier, rank
 from lightning_fsdp_plus.app.data import BOOKKEEPING_KEYS, InstructionDataModule, PadCollator
 from lightning_fsdp_plus.app.lm import CausalLMModule
+from tests.helpers import ac_cases
 from tests.helpers.ac_cases import LORA
 
 TOKENIZER = "examples/assets/tiny-llama"
@@ -61,19 +61,12 @@ def build(arch: str, vocab: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, vocab_size=vocab, **kwargs))
 
 
-class Record(Callback):
-    """The global loss of every step; at the end, the full state dict (rank 0)."""
-
-    def __init__(self) -> None:
-        self.losses: list[float] = []
-        self.state: dict[str, torch.Tensor] = {}
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.losses.append(trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean").item())
+class Record(ac_cases.Record):
+    """``ac_cases.Record`` (the global loss of every step, the full state dict at the end), plus the units compiled
+    and the attention route the module took."""
 
     def on_train_end(self, trainer, module) -> None:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        self.state = get_model_state_dict(trainer.strategy.model, options=options)
+        super().on_train_end(trainer, module)
         self.compiled = list(trainer.strategy.sharding_plan.compiled)
         self.route = module._route
 
@@ -106,15 +99,9 @@ def fit(arch: str, options: dict, batches: list[dict], *, vocab: int) -> Record:
 
 
 def compare(run: Record, reference: Record, batches: dict[str, list[dict]]) -> dict:
-    diffs = [
-        (run.state[k].float() - v.float()).abs().max().item()
-        for k, v in reference.state.items()
-        if v.is_floating_point()
-    ]  # fmt: skip (the full state is on rank 0 only)
+    """``ac_cases.compare``'s differences, with what packing adds: the route and each run's batch shapes."""
     return {
-        "loss_diff": max(abs(a - b) for a, b in zip(run.losses, reference.losses, strict=True)),
-        "param_diff": max(diffs, default=None),
-        "losses": run.losses,
+        **ac_cases.compare(run, reference),
         "compiled": run.compiled,
         "route": run.route,
         "reference_route": reference.route,

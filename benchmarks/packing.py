@@ -101,7 +101,7 @@ def same_positions(lengths: list[int], *, batch: int, row_len: int, seed: int = 
 
 def same_examples(lengths: list[int], *, examples_per_step: int, row_len: int, world: int = 2) -> int:
     """Packed rows per micro-batch (on ``world`` ranks) whose optimizer step holds about ``examples_per_step``."""
-    from lightning_fsdp_plus.packing import pack_rows
+    from lightning_fsdp_plus.app.packing import pack_rows
 
     per_row = len(lengths) / len(pack_rows(lengths, row_len=row_len))
     return max(1, round(examples_per_step / per_row / world))

@@ -168,7 +168,7 @@ class FSDPPlusOptions:
     """``sharding_strategy="auto"``: tokens per sequence the activations are planned for (required: the longest
     sequence a batch may carry; with packing, the row length)."""
     plan_packed: bool | None = None
-    """``sharding_strategy="auto"``: the batches are packed rows (:mod:`lightning_fsdp_plus.packing`), planned with
+    """``sharding_strategy="auto"``: the batches are packed rows (:mod:`lightning_fsdp_plus.app.packing`), planned with
     their block attention mask; ``None``/``False``: rows of single examples. The Hydra app sets it from
     ``data.pack``."""
 

@@ -3,7 +3,7 @@
 ``InstructionDataModule`` reads local JSONL/JSON/CSV/Parquet files (or a ``datasets`` dataset from the
 local cache) with Hugging Face ``datasets``, renders each example with a prompt template (a chat with the
 tokenizer's chat template where it has one), tokenizes it, masks the prompt out of the loss (labels -100), and
-optionally packs whole examples into fixed-length rows (:mod:`lightning_fsdp_plus.packing`).
+optionally packs whole examples into fixed-length rows (:mod:`lightning_fsdp_plus.app.packing`).
 
 Training loaders are torchdata's ``StatefulDataLoader``: Lightning saves their position in checkpoints, so a run
 resumed mid-epoch (after a preemption) continues with the next batch instead of starting the epoch again.
@@ -22,8 +22,8 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from lightning_fsdp_plus.app.packing import pack_rows, packed_row
 from lightning_fsdp_plus.app.tokenizer import load_tokenizer
-from lightning_fsdp_plus.packing import pack_rows, packed_row
 from lightning_fsdp_plus.sampler import GlobalBatchSampler, LayoutError, accumulation_for
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -354,7 +354,7 @@ def encode_record(
 def pack_examples(
     examples: Sequence[dict[str, list[int]]], *, row_len: int, seed: int = 0
 ) -> tuple[list[dict[str, list[int]]], list[list[int]]]:
-    """Tokenized examples packed whole into rows of at most ``row_len`` tokens (:mod:`lightning_fsdp_plus.packing`:
+    """Tokenized examples packed whole into rows of at most ``row_len`` tokens (:mod:`lightning_fsdp_plus.app.packing`:
     best-fit decreasing, positions restarting per example, no loss across examples); returns the rows and, for
     each, the indices of its examples."""
     members = pack_rows([len(e["input_ids"]) for e in examples], row_len=row_len, seed=seed)
@@ -400,7 +400,7 @@ class PadCollator:
 
     Padding gets label -100 and, in rows of single examples, attention 0. Packed rows (they carry ``position_ids``)
     get no ``attention_mask``: their padding is one more sequence with positions from 0, which transformers keeps
-    apart like any other example (:mod:`lightning_fsdp_plus.packing`). Every batch counts each row's padding and
+    apart like any other example (:mod:`lightning_fsdp_plus.app.packing`). Every batch counts each row's padding and
     loss tokens (``padding_tokens``, ``target_tokens``).
     """
 
@@ -442,7 +442,7 @@ class InstructionDataModule(LightningDataModule):
         batch_size: Sequences per rank per step.
         max_seq_len: Tokens per example (longer ones are truncated), and per packed row.
         mask_prompt: Leave prompt tokens out of the loss (labels -100).
-        pack: Pack whole training examples into rows of ``max_seq_len`` tokens (:mod:`lightning_fsdp_plus.packing`:
+        pack: Pack whole training examples into rows of ``max_seq_len`` tokens (:mod:`lightning_fsdp_plus.app.packing`:
             positions restart per example, no attention or loss across examples); the rows are made once, from
             ``seed``, and shuffled every epoch like examples. Validation stays one example per row.
         num_workers: DataLoader workers per rank.

@@ -10,8 +10,8 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
 from lightning_fsdp_plus.app.data import BOOKKEEPING_KEYS, GLOBAL_TOKENS_KEY
+from lightning_fsdp_plus.app.packing import Route, attention_route, packed_model_inputs
 from lightning_fsdp_plus.loss import causal_lm_loss
-from lightning_fsdp_plus.packing import Route, attention_route, packed_model_inputs
 
 
 def target_tokens(batch: Tensor | dict[str, Tensor]) -> int:
@@ -90,7 +90,7 @@ class CausalLMModule(LightningModule):
         """Mean next-token cross-entropy of a batch (chunked unless ``chunked_loss=False``). No key/value cache:
         nothing reads it in training or validation, and in validation it would hold every layer's keys and values
         until the loss is computed. Packed rows (``position_ids``, no ``attention_mask``) keep attention inside
-        their examples (:func:`~lightning_fsdp_plus.packing.packed_model_inputs`)."""
+        their examples (:func:`~lightning_fsdp_plus.app.packing.packed_model_inputs`)."""
         if isinstance(batch, Tensor):
             batch = {"input_ids": batch, "labels": batch}
         batch = {k: v for k, v in batch.items() if k not in BOOKKEEPING_KEYS}

@@ -37,7 +37,7 @@ class ForwardBatch:
     padded: bool = False
     """Give the batch an attention mask with a padded position (the masked attention path)."""
     packed: bool = False
-    """Rows of several examples (:mod:`lightning_fsdp_plus.packing`): ``position_ids`` restarting mid-row and no
+    """Rows of several examples (:mod:`lightning_fsdp_plus.app.packing`): ``position_ids`` restarting mid-row and no
     attention mask, so that attention takes its masked path with a ``[batch, 1, seq, seq]`` block mask."""
 
 

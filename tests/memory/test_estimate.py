@@ -167,7 +167,7 @@ def test_padded_batches_take_the_masked_attention_path_and_save_more(tmp_path):
 
 
 def test_packed_rows_are_counted_as_they_run_with_their_block_mask(tmp_path):
-    from lightning_fsdp_plus.packing import packed_model_inputs
+    from lightning_fsdp_plus.app.packing import packed_model_inputs
 
     model = tiny_llama()
     model.config.save_pretrained(tmp_path)

@@ -1,5 +1,5 @@
-"""Packed rows (``lightning_fsdp_plus.packing``): whole examples, best-fit decreasing, positions restarting per example,
-no attention and no loss across examples, for Llama, Qwen2 and GPT-2 (learned positions), on transformers'
+"""Packed rows (``lightning_fsdp_plus.app.packing``): whole examples, best-fit decreasing, positions restarting per
+example, no attention and no loss across examples, for Llama, Qwen2 and GPT-2 (learned positions), on transformers'
 packed-sequence route and on our own block mask."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_fsdp_plus.loss import causal_lm_loss
-from lightning_fsdp_plus.packing import (
+from lightning_fsdp_plus.app.packing import (
     PackingError,
     attention_route,
     block_causal_mask,
@@ -19,6 +18,7 @@ from lightning_fsdp_plus.packing import (
     packed_model_inputs,
     packed_row,
 )
+from lightning_fsdp_plus.loss import causal_lm_loss
 
 VOCAB = 300
 CONFIGS = {

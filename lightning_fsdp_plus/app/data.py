@@ -385,14 +385,17 @@ def target_count(row: Mapping[str, Sequence[int]]) -> int:
 class _Tokenized(Dataset):
     def __init__(self, rows: list[dict[str, list[int]]]) -> None:
         self.rows = rows
+        self.targets = [target_count(row) for row in rows]  # counted once: the sampler's weights, the batches' counts
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, key: int | tuple[int, int]) -> dict[str, Any]:
         if isinstance(key, tuple):  # (index, target tokens of its global batch) from a weighted GlobalBatchSampler
-            return {**self.rows[key[0]], GLOBAL_TOKENS_KEY: key[1], SAMPLE_INDEX_KEY: key[0]}
-        return self.rows[key]
+            index = key[0]
+            return {**self.rows[index], TARGETS_KEY: self.targets[index], GLOBAL_TOKENS_KEY: key[1],
+                    SAMPLE_INDEX_KEY: index}  # fmt: skip
+        return self.rows[key]  # the held-out set's rows as tokenized (the collator counts their targets)
 
 
 class PadCollator:
@@ -420,7 +423,7 @@ class PadCollator:
         else:
             out["attention_mask"] = torch.tensor([pad([1] * len(b["input_ids"]), 0) for b in batch])
         out[PADDING_KEY] = torch.tensor([width - len(b["input_ids"]) for b in batch])
-        out[TARGETS_KEY] = torch.tensor([target_count(b) for b in batch])
+        out[TARGETS_KEY] = torch.tensor([b[TARGETS_KEY] if TARGETS_KEY in b else target_count(b) for b in batch])
         for key in (GLOBAL_TOKENS_KEY, SAMPLE_INDEX_KEY):
             if key in batch[0]:
                 out[key] = torch.tensor([b[key] for b in batch])
@@ -502,7 +505,7 @@ class InstructionDataModule(LightningDataModule):
         """Shuffled training batches, resumable mid-epoch on any number of ranks."""
         self.sampler = shuffled_sampler(self.train_set, trainer=self.trainer, micro_batch_size=self.batch_size,
                                         global_batch_size=self.global_batch_size,
-                                        weights=[target_count(row) for row in self.train_set.rows])  # fmt: skip
+                                        weights=self.train_set.targets)  # fmt: skip
         return StatefulDataLoader(self.train_set, batch_size=self.batch_size, collate_fn=self.train_collate,
                                   sampler=self.sampler, num_workers=self.num_workers)  # fmt: skip
 

@@ -75,16 +75,24 @@ def examples_block(sweep_dir: Path, *, wall_s: float | None, command: str) -> st
         raise SystemExit(
             f"{sweep_dir}: expected {len(EXAMPLES)} finished jobs ({', '.join(EXAMPLES)}), found {len(jobs)}"
         )
-    rows = {"data": [], "perplexity": [], "time": []}
+    rows = {"data": [], "rows": [], "perplexity": [], "time": [], "tokens": []}
     for name, job in zip(EXAMPLES, jobs, strict=True):
         metrics = json.loads((job / "metrics.json").read_text())
         steps = OmegaConf.load(job / ".hydra" / "config.yaml").trainer.max_steps
         data = REPO / "examples" / name / "data"
         train, val = (sum(1 for line in (data / f).open() if line.strip()) for f in ("train.jsonl", "val.jsonl"))
         rows["data"].append(f"`examples/{name}/data/`: {train} train, {val} held-out")
+        config = OmegaConf.load(job / ".hydra" / "config.yaml").get("data", {})
+        packed = "packed into" if config.get("pack") else "one example per row of up to"
+        rows["rows"].append(f"{packed} {config.get('max_seq_len', '?')} tokens, {config.get('batch_size', '?')} a rank")
         before, after = metrics["base_val_perplexity"], metrics["val_perplexity"]
         rows["perplexity"].append(f"{before:.2f} -> {after:.2f} ({after / before - 1:+.0%}) after {steps} steps")
         rows["time"].append(f"{metrics['fit_time_s']:.0f} s")
+        rows["tokens"].append(
+            f"{metrics['useful_tokens_per_s']:,.0f} ({metrics['padding_share']:.1%} padding)"
+            if "useful_tokens_per_s" in metrics
+            else "-"
+        )
     took = f", {_duration(wall_s)} in all" if wall_s is not None else ""
     lines = [
         f"Measured {machine()}: `{command}`{took}.",
@@ -92,8 +100,10 @@ def examples_block(sweep_dir: Path, *, wall_s: float | None, command: str) -> st
         "| | " + " | ".join(f"`experiment={name}`" for name in EXAMPLES) + " |",
         "|---|" + "---|" * len(EXAMPLES),
         "| data | " + " | ".join(rows["data"]) + " |",
+        "| training rows | " + " | ".join(rows["rows"]) + " |",
         "| held-out perplexity, base -> trained | " + " | ".join(rows["perplexity"]) + " |",
         f"| training time ({metrics['world_size']} CPU processes) | " + " | ".join(rows["time"]) + " |",
+        "| useful (in-loss) tokens per second | " + " | ".join(rows["tokens"]) + " |",
     ]
     return "\n".join(lines) + "\n"
 

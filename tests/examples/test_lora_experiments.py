@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from tests.helpers.docs import doc_commands
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
@@ -119,8 +120,9 @@ def test_adapter_reloads_with_peft_and_reproduces_the_held_out_loss(runs, domain
 
     run = runs[domain]
     files = REPO / "examples" / domain / "data"
+    seq = OmegaConf.load(run / ".hydra" / "config.yaml").data.max_seq_len  # the held-out rows the run scored
     datamodule = InstructionDataModule(tokenizer=str(BASE), train_files=[str(files / "val.jsonl")],
-                                       val_files=[str(files / "val.jsonl")], batch_size=8, max_seq_len=128)  # fmt: skip
+                                       val_files=[str(files / "val.jsonl")], batch_size=8, max_seq_len=seq)  # fmt: skip
     reported = json.loads((run / "metrics.json").read_text())["val_loss"]
     # the plain float base: differs from the int8 base the adapter trained on by quantization error only
     assert _val_loss(_reloaded(run, int8=False), datamodule) == pytest.approx(reported, rel=1e-2)

@@ -35,11 +35,11 @@ def _docs(root):
     return page
 
 
-def _job(root, number, name, **metrics):
+def _job(root, number, name, data="pack: false\n  max_seq_len: 128\n  batch_size: 8", **metrics):
     job = root / f"{number}_{name}"
     (job / ".hydra").mkdir(parents=True)
     (job / "metrics.json").write_text(json.dumps({"world_size": 2, "overrides": [name], **metrics}))
-    (job / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 300\n")
+    (job / ".hydra" / "config.yaml").write_text(f"trainer:\n  max_steps: 300\ndata:\n  {data}\n")
     return job
 
 
@@ -60,7 +60,8 @@ def test_the_sweep_block_is_the_sweeps_own_summary_with_machine_and_command(tmp_
 
 def test_the_examples_block_reads_both_experiments_metrics_and_data_sizes(tmp_path):
     sweep = tmp_path / "examples"
-    _job(sweep, 0, "experiment=medical_lora", base_val_perplexity=64.07, val_perplexity=2.82, fit_time_s=78.2)
+    _job(sweep, 0, "experiment=medical_lora", base_val_perplexity=64.07, val_perplexity=2.82, fit_time_s=78.2,
+         useful_tokens_per_s=4881.2, padding_share=0.0281, data="pack: true\n  max_seq_len: 256\n  batch_size: 3")  # fmt: skip
     _job(sweep, 1, "experiment=legal_lora", base_val_perplexity=39.31, val_perplexity=2.13, fit_time_s=74.6)
     _docs(tmp_path)
     block = refresh_measured.refresh("examples", source=sweep, docs=tmp_path)
@@ -71,6 +72,10 @@ def test_the_examples_block_reads_both_experiments_metrics_and_data_sizes(tmp_pa
         "| held-out perplexity, base -> trained | 64.07 -> 2.82 (-96%) after 300 steps | 39.31 -> 2.13 (-95%)" in block
     )
     assert "| training time (2 CPU processes) | 78 s | 75 s |" in block
+    assert "| useful (in-loss) tokens per second | 4,881 (2.8% padding) | - |" in block  # older metrics: no figure
+    assert "| training rows | packed into 256 tokens, 3 a rank | one example per row of up to 128 tokens, 8 a rank |" in (
+        block
+    )
     (sweep / "1_experiment=legal_lora" / "metrics.json").unlink()  # an unfinished job is not half a table
     with pytest.raises(SystemExit, match="expected 2 finished jobs"):
         refresh_measured.refresh("examples", source=sweep, docs=tmp_path)

@@ -20,9 +20,9 @@ OVERRIDES = ("trainer.max_steps=20", "checkpoint.every_n_train_steps=5", "genera
 """20 steps, a checkpoint every 5: a signal lands between the first checkpoint and the end, 15 steps to spare (the
 test sends it when the first checkpoint appears; the ranks stop one step later)."""
 
-EPOCH2 = ("trainer.max_steps=28", "checkpoint.every_n_train_steps=24", *OVERRIDES[2:])
-"""The medical set is 23 steps an epoch (360 examples, a global batch of 16, the last one filled up): the first
-checkpoint, and the signal sent when it appears, fall inside the second epoch."""
+EPOCH2 = ("trainer.max_steps=24", "checkpoint.every_n_train_steps=20", *OVERRIDES[2:])
+"""The medical experiment is 19 steps an epoch (its 360 examples packed into 149 rows, a global batch of 8 rows, the
+last one filled up): the first checkpoint, and the signal sent when it appears, fall inside the second epoch."""
 
 pytestmark = pytest.mark.usefixtures("slurm")
 
@@ -117,7 +117,7 @@ def test_finetune_sbatch_runs_and_a_usr1_requeue_resumes_exactly(tmp_path):
     assert all((expected[k] == got[k]).all() for k in expected)
     assert (tmp_path / "requeued" / "hpc_consumed" / "hpc_ckpt_1.ckpt").exists()  # kept, no longer reloaded
     attempts = json.loads((tmp_path / "requeued" / "attempts.json").read_text())
-    assert len(attempts) == 2 and attempts[1]["start_step"] > 23  # resumed inside the second epoch
+    assert len(attempts) == 2 and attempts[1]["start_step"] > 19  # resumed inside the second epoch
 
     # c) requeued onto 1 task (NumTasks and NumCPUs updated while it is pending): the same global batches, 2 micro-steps
     job = submit(tmp_path, "one_task", *EPOCH2, run_dir(tmp_path, "one_task"))
@@ -130,10 +130,10 @@ def test_finetune_sbatch_runs_and_a_usr1_requeue_resumes_exactly(tmp_path):
     wait_gone(job)
     attempts = json.loads((tmp_path / "one_task" / "attempts.json").read_text())
     assert [(a["world_size"], a["accumulate_grad_batches"], a["global_batch_size"]) for a in attempts] == [
-        (2, 1, 16), (1, 2, 16)]  # fmt: skip
+        (2, 1, 8), (1, 2, 8)]  # fmt: skip
     got = adapter(tmp_path / "one_task")
     assert max((expected[k].float() - got[k].float()).abs().max().item() for k in expected) <= 1e-5
-    assert "resuming on 1 ranks (micro-batch 8, accumulating 2)" in (tmp_path / "one_task.log").read_text()
+    assert "resuming on 1 ranks (micro-batch 4, accumulating 2)" in (tmp_path / "one_task.log").read_text()
 
 
 def test_scancel_stops_every_task_within_60_s_with_a_resumable_last_checkpoint(tmp_path):

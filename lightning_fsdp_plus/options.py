@@ -53,6 +53,16 @@ class FSDPPlusOptions:
     device_mesh: Any = None
     """Lightning's ``(replicate, shard)`` tuple for ``HYBRID_SHARD``, a ``DeviceMesh``, or FSDP1's ``process_group``
     (one group, or an ``(intra-node, inter-node)`` pair); ``None`` builds the mesh from the strategy."""
+    tensor_parallel_size: int = 1
+    """Ranks that split each layer of the tensor-parallel plan (Megatron-style: column- then row-wise linears, the
+    attention heads divided among them); the data-parallel ranks are the world size divided by it, sharded by FSDP2
+    as ``sharding_strategy`` says. Must divide the world size (the innermost mesh dimension: keep it within a node).
+    With 1, no tensor parallelism. ``configure_model`` code written for ``ModelParallelStrategy`` finds
+    ``device_mesh["data_parallel"]`` and ``device_mesh["tensor_parallel"]`` either way."""
+    tensor_parallel_plan: Any = None
+    """``tensor_parallel_size > 1``: ``{module path pattern: style}`` (``*`` matches one path component; styles
+    ``colwise``, ``rowwise``, and transformers' names for them) that overrides the plan the model declares
+    (transformers' ``config.base_model_tp_plan``); ``None`` uses the declared one."""
     auto_wrap_policy: WrapPolicy = "auto"
     """Which submodules become FSDP units: ``"auto"`` (transformers' ``_no_split_modules``, else the largest
     repeated block), module classes or class names, ``{"min_num_params": N}``, a callable ``(module) -> bool``,
@@ -180,6 +190,7 @@ class FSDPPlusOptions:
         if self.hybrid_shard_size is not None:  # divisibility is checked once the world size is known
             check_hybrid_shard_size(hybrid_shard_size=self.hybrid_shard_size, world_size=self.hybrid_shard_size)
         self._set("device_mesh", compat.device_mesh_from(self.device_mesh))
+        self._check_tensor_parallel()
         self._set("auto_wrap_policy", compat.wrap_policy_from(self.auto_wrap_policy, key="auto_wrap_policy"))
         self._set("activation_checkpointing", _checkpointing_policy(self.activation_checkpointing))
         self._set("mixed_precision", compat.mixed_precision_from(self.mixed_precision))
@@ -266,6 +277,39 @@ class FSDPPlusOptions:
                 "sharding_strategy='auto' chooses the mesh: device_mesh must be None (or pin a sharding_strategy)"
             )
 
+    def _check_tensor_parallel(self) -> None:
+        from lightning_fsdp_plus.tensor_parallel import check_tensor_parallel_plan
+
+        size = self.tensor_parallel_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer (1: no tensor parallelism)")
+        if self.tensor_parallel_plan is not None:
+            self._set("tensor_parallel_plan", check_tensor_parallel_plan(self.tensor_parallel_plan))
+        if size == 1:
+            return
+        refused = {
+            "sharding_strategy='auto'": self.auto,
+            f"quantize_base={self.quantize_base!r}": self.quantize_base is not None,
+            "lora_only=True": self.lora_only,
+            "device_mesh": self.device_mesh is not None,
+            "cpu_offload=True": self.cpu_offload,
+        }
+        why = {
+            "sharding_strategy='auto'": "the auto plan does not consider tensor parallelism yet: pin a"
+            " sharding_strategy",
+            f"quantize_base={self.quantize_base!r}": "bitsandbytes' int8/4-bit layers are not nn.Linear and their"
+            " packed weights and per-row statistics have no DTensor sharding: torch's ColwiseParallel and"
+            " RowwiseParallel take nn.Linear and nn.Embedding only; use quantize_base=None",
+            "lora_only=True": "the frozen base of a LoRA-only run is replicated, which tensor parallelism splits:"
+            " use lora_only=False",
+            "device_mesh": "the strategy builds the (replicate, shard, tensor) mesh itself: leave device_mesh unset",
+            "cpu_offload=True": "FSDP2's CPU offload of tensor-parallel (2-D) parameters is not supported here: use"
+            " cpu_offload=False",
+        }
+        for name, given in refused.items():
+            if given:
+                raise ValueError(f"tensor_parallel_size={size} with {name}: {why[name]}")
+
     def _set(self, key: str, value: Any) -> None:
         object.__setattr__(self, key, value)  # normalisation of a frozen dataclass, in __post_init__ only
 
@@ -307,7 +351,21 @@ class FSDPPlusOptions:
         raise RuntimeError("sharding_strategy='auto' is resolved by the auto plan in the strategy's setup()")
 
     def mesh_layout(self, *, world_size: int, devices_per_node: int | None = None) -> MeshLayout:
-        """Replicate x shard layout at ``world_size`` ranks (``HYBRID_SHARD`` shards within a node by default)."""
+        """Replicate x shard x tensor layout at ``world_size`` ranks (``HYBRID_SHARD`` shards within a node by
+        default); the data-parallel ranks are ``world_size / tensor_parallel_size``."""
+        tensor = self.tensor_parallel_size
+        if tensor == 1:
+            return self._data_layout(world_size=world_size, devices_per_node=devices_per_node)
+        if world_size % tensor:
+            raise ValueError(
+                f"tensor_parallel_size={tensor} does not divide the world size {world_size} (data-parallel ranks x"
+                f" tensor-parallel ranks must equal it); valid sizes: {_divisors(world_size)}"
+            )
+        per_node = None if devices_per_node is None else max(1, devices_per_node // tensor)
+        data = self._data_layout(world_size=world_size // tensor, devices_per_node=per_node)
+        return dataclasses.replace(data, tensor=tensor)
+
+    def _data_layout(self, *, world_size: int, devices_per_node: int | None) -> MeshLayout:
         mesh = self.device_mesh
         given = _given_layout(mesh)
         if given is not None:
@@ -327,6 +385,10 @@ class FSDPPlusOptions:
             check_hybrid_shard_size(hybrid_shard_size=hybrid, world_size=world_size)
         return resolve_mesh_layout(sharding_strategy=self._concrete, world_size=world_size,
                                    hybrid_shard_size=hybrid)  # fmt: skip
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 AUTO_ONLY = ("memory_budget", "plan_batch_size", "plan_seq_len", "plan_packed", "allow_quantize", "link_bandwidth")

@@ -41,6 +41,7 @@ from lightning_fsdp_plus.quantization import (
     kept_float,
 )
 from lightning_fsdp_plus.sharding import apply_sharding_plan, model_checkpointed_layers
+from lightning_fsdp_plus.tensor_parallel import apply_tensor_parallel, resolve_plan
 
 
 def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
@@ -69,6 +70,12 @@ def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
         )
     if four_bit:  # blocks must lie inside rows: refused here, before any process group exists
         check_four_bit_layers(model, skip=options.quantize_skip, blocksize=options.quantize_blocksize)
+
+
+def check_tensor_parallel(model: nn.Module, options: FSDPPlusOptions) -> None:
+    """The plan tensor parallelism will apply resolves on ``model`` and its sizes divide (raises otherwise)."""
+    if options.tensor_parallel_size > 1:
+        resolve_plan(model, size=options.tensor_parallel_size, given=options.tensor_parallel_plan)
 
 
 def quantize_model(model: nn.Module, options: FSDPPlusOptions) -> list[str]:
@@ -227,6 +234,10 @@ def build_sharded_model(
     model = precision.convert_module(model)
     if options.sync_module_states:
         sync_module_states(model, device=device)
+    if options.tensor_parallel_size > 1:  # torchtitan's order: tensor parallel, checkpointing, compile, FSDP
+        layers = resolve_plan(model, size=options.tensor_parallel_size, given=options.tensor_parallel_plan)
+        apply_tensor_parallel(model, layers, mesh=mesh["tensor"])
+        report(f"fsdp_plus: {len(layers)} linear layers split over {mesh['tensor'].size()} tensor-parallel ranks")
     plan = plan_model(model, options, layout=layout, precision=str(precision.precision), device_type=device.type)
     report(plan.format_table())
     shard_model(model, plan, mesh=mesh)

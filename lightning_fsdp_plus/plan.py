@@ -69,7 +69,8 @@ class ShardingStrategy(str, Enum, metaclass=_CaseInsensitiveNames):
 
 @dataclass(frozen=True)
 class MeshLayout:
-    """Shape of the data-parallel device mesh: ``replicate`` groups of ``shard`` ranks each."""
+    """Shape of the device mesh: ``replicate`` groups of ``shard`` ranks each (the data-parallel ranks), each rank
+    one of ``tensor`` ranks that split every layer the tensor-parallel plan names."""
 
     replicate: int
     """Number of replica groups (1 for a 1-D mesh)."""
@@ -77,11 +78,18 @@ class MeshLayout:
     """Ranks across which each parameter is sharded."""
     two_d: bool = False
     """Build a 2-D ``(replicate, shard)`` mesh (NO_SHARD, HYBRID_SHARD) rather than a 1-D ``(shard,)`` one."""
+    tensor: int = 1
+    """Tensor-parallel ranks (the innermost mesh dimension: neighbouring ranks, on one node)."""
+
+    @property
+    def data_parallel(self) -> int:
+        """Data-parallel ranks: ``replicate x shard`` (each sees its own batches)."""
+        return self.replicate * self.shard
 
     @property
     def world_size(self) -> int:
         """Total number of ranks in the mesh."""
-        return self.replicate * self.shard
+        return self.replicate * self.shard * self.tensor
 
 
 def resolve_mesh_layout(
@@ -254,7 +262,7 @@ class ShardingPlan:
         """JSON-friendly description (for logs, metrics and tests)."""
         return {
             "sharding_strategy": self.sharding_strategy.value,
-            "mesh": {"replicate": self.mesh.replicate, "shard": self.mesh.shard},
+            "mesh": {"replicate": self.mesh.replicate, "shard": self.mesh.shard, "tensor": self.mesh.tensor},
             "units": [
                 {
                     "path": u.path or "<root>",
@@ -315,6 +323,8 @@ class ShardingPlan:
         widths = [max(len(str(r[i])) for r in (header, *rows)) for i in range(len(header))]
         line = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()  # noqa: E731
         mesh = f"replicate={self.mesh.replicate} x shard={self.mesh.shard}"
+        if self.mesh.tensor > 1:
+            mesh += f" x tensor={self.mesh.tensor}"
         title = f"Sharding plan: {self.sharding_strategy.value}, mesh {mesh}, {len(self.units)} FSDP units"
         body = [line(header), line(tuple("-" * w for w in widths)), *map(line, rows)]
         root = self.units[-1]
@@ -361,6 +371,13 @@ def sharded_numel(shape: Sequence[int], shard: int) -> int:
     """Elements one rank stores for a parameter sharded on dim 0 across ``shard`` ranks (FSDP2 pads dim 0)."""
     dims = tuple(shape) or (1,)
     return math.ceil(dims[0] / shard) * math.prod(dims[1:])
+
+
+def _local_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A tensor-parallel (DTensor) parameter's share on this rank, which FSDP2 then shards; else the whole shape."""
+    from torch.distributed.tensor import DTensor
+
+    return tuple(param.to_local().shape if isinstance(param, DTensor) else param.shape)
 
 
 def sharded_bytes(shape: Sequence[int], dtype: torch.dtype, shard: int) -> int:
@@ -421,7 +438,7 @@ def build_sharding_plan(
             bytes_per_rank=(
                 param.numel() * param.element_size()
                 if is_ignored
-                else sharded_bytes(param.shape, param.dtype, mesh.shard)
+                else sharded_bytes(_local_shape(param), param.dtype, mesh.shard)
             ),
         )
         if is_ignored:

@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -66,6 +67,17 @@ def parse_dtype(value: str | torch.dtype | None, *, key: str) -> torch.dtype | N
     if name not in _DTYPE_NAMES:
         raise ValueError(f"{key}={value!r} is not one of {', '.join(_DTYPE_NAMES)}")
     return _DTYPE_NAMES[name]
+
+
+def cast_floating(module: Module, *, dtype: torch.dtype) -> Module:
+    """Cast ``module``'s floating-point parameters and buffers to ``dtype`` in place, and nothing else.
+
+    ``module.to(dtype)`` (what Lightning's precision plugins call) casts complex tensors too, and casting complex to
+    real drops the imaginary part with only a warning: a complex64 rotary table (``freqs_cis``) would silently become
+    its real part. Integer tensors (int8 bases, positions) are left alone by both. Works on sharded (DTensor)
+    modules too: FSDP2 reshards through ``_apply``.
+    """
+    return module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 def check_precision(precision: str, *, device_type: str, key: str = "precision") -> None:
@@ -178,6 +190,14 @@ class FSDPPlusPrecision(FSDPPrecision):
     def compute_dtype(self) -> torch.dtype:
         """The dtype forward math runs in."""
         return compute_dtype(self.precision)
+
+    @override
+    def convert_module(self, module: Module) -> Module:
+        """``-true`` presets store the parameters in their dtype: :func:`cast_floating` (complex and integer tensors,
+        e.g. a complex64 RoPE table or an int8 base, keep theirs)."""
+        if "true" in self.precision:
+            return cast_floating(module, dtype=self._desired_input_dtype)
+        return module
 
     @override
     def forward_context(self) -> AbstractContextManager:

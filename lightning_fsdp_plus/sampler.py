@@ -33,6 +33,14 @@ class LayoutError(ValueError):
     """A device layout that cannot keep the global batch size, with the numbers and the nearest valid micro-batch."""
 
 
+def data_parallel_ranks(trainer: Any) -> tuple[int, int]:
+    """``(ranks, this rank)`` among the data-parallel ranks, which see different batches: the strategy's distributed
+    sampler arguments (a tensor-parallel group of ``fsdp_plus``, or ``ModelParallelStrategy``'s, counts once), else
+    every rank of the world."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+    return kwargs.get("num_replicas", trainer.world_size), kwargs.get("rank", trainer.global_rank)
+
+
 def accumulation_for(*, global_batch_size: int, world_size: int, micro_batch_size: int) -> int:
     """Micro-steps per optimizer step that keep ``global_batch_size`` on ``world_size`` ranks of ``micro_batch_size``
     samples; :class:`LayoutError` when it does not divide, naming the micro-batch sizes that would."""

@@ -21,12 +21,36 @@ from lightning_fsdp_plus.compile import compile_units
 from lightning_fsdp_plus.kv_cache import drop_cache_under_grad
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan
 
+MESH_NAMES = ("replicate", "shard", "tensor")
+"""The world mesh's dimensions, outermost first."""
+LIGHTNING_NAMES = {"data_parallel": ("replicate", "shard"), "tensor_parallel": ("tensor",)}
+"""``ModelParallelStrategy``'s names, as flattened views of ours: ``configure_model`` code written for it indexes
+``device_mesh["data_parallel"]`` and ``device_mesh["tensor_parallel"]``."""
+
+
+class StrategyMesh(DeviceMesh):
+    """The data-parallel mesh the strategy shards with (1-D ``("shard",)`` or 2-D ``("replicate", "shard")``, what
+    ``fully_shard(mesh=self.device_mesh)`` needs) that also answers every name of the world mesh it was cut from:
+    ``["tensor"]``, ``["replicate"]``, and Lightning's ``["data_parallel"]`` and ``["tensor_parallel"]``
+    (:data:`LIGHTNING_NAMES`). A plain ``DeviceMesh`` slice knows only its own dimensions."""
+
+    def __getitem__(self, mesh_dim_names: str | tuple[str, ...]) -> DeviceMesh:
+        try:
+            return super().__getitem__(mesh_dim_names)
+        except KeyError:
+            return self._get_root_mesh()[mesh_dim_names]
+
 
 def init_mesh(*, layout: MeshLayout, device_type: str) -> DeviceMesh:
-    """A 1-D ``("shard",)`` or 2-D ``("replicate", "shard")`` mesh over the default process group."""
-    if layout.two_d:
-        return init_device_mesh(device_type, (layout.replicate, layout.shard), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (layout.shard,), mesh_dim_names=("shard",))
+    """The world mesh ``(replicate, shard, tensor)`` over the default process group, with Lightning's names as
+    flattened views; returns its data-parallel part as a :class:`StrategyMesh`: ``("shard",)`` or, for a 2-D
+    layout, ``("replicate", "shard")``."""
+    world = init_device_mesh(device_type, (layout.replicate, layout.shard, layout.tensor), mesh_dim_names=MESH_NAMES)
+    for name, dims in LIGHTNING_NAMES.items():
+        world[dims]._flatten(name)
+    data = world["replicate", "shard"] if layout.two_d else world["shard"]
+    data.__class__ = StrategyMesh  # the same object, its slicing extended to the world's names
+    return data
 
 
 def build_mesh(*, layout: MeshLayout, device_type: str, given: Any = None) -> DeviceMesh:

@@ -55,6 +55,7 @@ from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring, re
 from lightning_fsdp_plus.pipeline import (
     batch_norms,
     build_sharded_model,
+    check_tensor_parallel,
     materialize_model,
     plan_model,
     prepare_model,
@@ -78,7 +79,6 @@ if TYPE_CHECKING:
 
 OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
 """The keyword arguments that are options (everything ``FSDPPlusOptions`` declares)."""
-
 
 
 class FSDPPlusStrategy(ParallelStrategy):
@@ -246,8 +246,9 @@ class FSDPPlusStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every rank is a data-parallel rank in all four strategies
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        # the ranks of one tensor-parallel group (neighbours: the innermost mesh dimension) see the same batches
+        tensor = self.mesh_layout.tensor
+        return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}
 
     # ------------------------------------------------------------------ early validation (no process group yet)
     @override
@@ -288,6 +289,7 @@ class FSDPPlusStrategy(ParallelStrategy):
             self.options = self.options.replace(compile=compiled)
         if model is not None and not is_overridden("configure_model", model):
             prepare_model(model, self.options)
+            check_tensor_parallel(model, self.options)
             if self.options.auto:  # a budget nothing fits fails here, before any process starts
                 self._auto_plan = self._predict_auto(model)
             else:

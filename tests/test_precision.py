@@ -93,6 +93,19 @@ def test_true_precision_converts_module_and_inputs():
     assert plugin.convert_input(torch.ones(2, dtype=torch.long)).dtype == torch.long
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_true_precision_casts_floating_tensors_only_complex_and_integer_ones_keep_their_dtype(precision):
+    """Issue 48: ``module.to(float32)`` turned a complex64 rotary table into its real part (with only a warning)."""
+    module = torch.nn.Linear(4, 4).double()
+    module.register_buffer("freqs_cis", torch.polar(torch.ones(3), torch.arange(3.0)))  # complex64
+    module.register_buffer("codes", torch.tensor([1, -2], dtype=torch.int8))
+    before = module.freqs_cis.clone()
+    converted = FSDPPlusPrecision(precision).convert_module(module)
+    assert converted.weight.dtype == {"32-true": torch.float32, "bf16-true": torch.bfloat16}[precision]
+    assert converted.freqs_cis.dtype == torch.complex64 and torch.equal(converted.freqs_cis, before)
+    assert converted.codes.dtype == torch.int8
+
+
 def test_scaler_only_for_16_mixed():
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 

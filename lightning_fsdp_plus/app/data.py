@@ -24,7 +24,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_fsdp_plus.app.packing import pack_rows, packed_row
 from lightning_fsdp_plus.app.tokenizer import load_tokenizer
-from lightning_fsdp_plus.sampler import GlobalBatchSampler, LayoutError, accumulation_for
+from lightning_fsdp_plus.sampler import GlobalBatchSampler, LayoutError, accumulation_for, data_parallel_ranks
 
 PROMPT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n"
 """Alpaca-style prompt for examples without an input."""
@@ -151,7 +151,7 @@ def shuffled_sampler(
     ``global_batch_size`` defaults to ``micro_batch_size x ranks x trainer.accumulate_grad_batches``; given, the
     trainer's accumulation must be the one that keeps it (the app sets it).
     """
-    world, rank = (trainer.world_size, trainer.global_rank) if trainer is not None else (1, 0)
+    world, rank = data_parallel_ranks(trainer) if trainer is not None else (1, 0)
     accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
     total = global_batch_size or micro_batch_size * world * accumulate
     needed = accumulation_for(global_batch_size=total, world_size=world, micro_batch_size=micro_batch_size)

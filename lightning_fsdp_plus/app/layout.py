@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_fsdp_plus.app.data import SAMPLE_INDEX_KEY
 from lightning_fsdp_plus.app.requeue import pending_hpc_checkpoint
 from lightning_fsdp_plus.checkpoint import META
-from lightning_fsdp_plus.sampler import accumulation_for
+from lightning_fsdp_plus.sampler import accumulation_for, data_parallel_ranks
 
 ATTEMPTS_FILE = "attempts.json"
 """Each attempt's layout in the run directory: world size, global batch, micro-batch, accumulation, first step."""
@@ -63,7 +63,7 @@ def plan_layout(*, trainer: Trainer, datamodule: Any, recorded: dict[str, int] |
     size warns once: the samples and global batches stay, each rank's random streams (dropout) do not. An integer
     ``val_check_interval`` (the app's, in optimizer steps) is scaled to the micro-batches Lightning counts.
     """
-    world, micro = trainer.world_size, datamodule.batch_size
+    (world, _), micro = data_parallel_ranks(trainer), datamodule.batch_size
     given = getattr(datamodule, "global_batch_size", None)
     total = given or (recorded or {}).get("global_batch_size") or micro * world * trainer.accumulate_grad_batches
     fits = [m for m in range(min(micro, total // world), 0, -1) if total % (world * m) == 0]

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from lightning_fsdp_plus.app.data import BOOKKEEPING_KEYS, GLOBAL_TOKENS_KEY
 from lightning_fsdp_plus.app.packing import Route, attention_route, packed_model_inputs
 from lightning_fsdp_plus.loss import causal_lm_loss
+from lightning_fsdp_plus.sampler import data_parallel_ranks
 
 
 def target_tokens(batch: Tensor | dict[str, Tensor]) -> int:
@@ -119,11 +120,13 @@ class CausalLMModule(LightningModule):
         part = self.loss(batch) * share.to(torch.float32)  # this micro-batch's part of the global batch's mean
         self._step_loss = part.detach() + (self._step_loss if self._step_loss is not None else 0.0)
         accumulate = self.trainer.accumulate_grad_batches
+        ranks, _ = data_parallel_ranks(self.trainer)
+        copies = self.trainer.world_size // ranks  # a tensor-parallel group's ranks hold the same part
         if (batch_idx + 1) % accumulate == 0:  # the global batch is complete: its mean over every rank's parts
-            self.log("train_loss", self._step_loss, prog_bar=True, sync_dist=True, reduce_fx="sum")
+            self.log("train_loss", self._step_loss / copies, prog_bar=True, sync_dist=True, reduce_fx="sum")
             self._step_loss = None
-        # Lightning divides by the accumulation and FSDP averages the gradients over the ranks
-        return part * (accumulate * self.trainer.world_size)
+        # Lightning divides by the accumulation and FSDP averages the gradients over the data-parallel ranks
+        return part * (accumulate * ranks)
 
     def on_validation_epoch_start(self) -> None:
         """Reset the token-weighted held-out loss."""

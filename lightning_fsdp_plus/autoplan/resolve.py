@@ -81,8 +81,9 @@ def predict_for_module(
         options=build_options.replace(sharding_strategy="FULL_SHARD"),
         world_size=world_size,
         precision=precision,
-        batch=ForwardBatch(batch_size=options.plan_batch_size, seq_len=options.plan_seq_len,
-                           packed=bool(options.plan_packed)),
+        batch=ForwardBatch(
+            batch_size=options.plan_batch_size, seq_len=options.plan_seq_len, packed=bool(options.plan_packed)
+        ),
         budget=budget,
         margin=float(options.memory_margin),
         quantize=quantize_kinds(options, lora_run=lora_run),

@@ -60,8 +60,9 @@ def test_the_sweep_block_is_the_sweeps_own_summary_with_machine_and_command(tmp_
 
 def test_the_examples_block_reads_both_experiments_metrics_and_data_sizes(tmp_path):
     sweep = tmp_path / "examples"
+    packed = "pack: true\n  max_seq_len: 256\n  batch_size: 3"
     _job(sweep, 0, "experiment=medical_lora", base_val_perplexity=64.07, val_perplexity=2.82, fit_time_s=78.2,
-         useful_tokens_per_s=4881.2, padding_share=0.0281, data="pack: true\n  max_seq_len: 256\n  batch_size: 3")  # fmt: skip
+         useful_tokens_per_s=4881.2, padding_share=0.0281, data=packed)  # fmt: skip
     _job(sweep, 1, "experiment=legal_lora", base_val_perplexity=39.31, val_perplexity=2.13, fit_time_s=74.6)
     _docs(tmp_path)
     block = refresh_measured.refresh("examples", source=sweep, docs=tmp_path)
@@ -73,9 +74,8 @@ def test_the_examples_block_reads_both_experiments_metrics_and_data_sizes(tmp_pa
     )
     assert "| training time (2 CPU processes) | 78 s | 75 s |" in block
     assert "| useful (in-loss) tokens per second | 4,881 (2.8% padding) | - |" in block  # older metrics: no figure
-    assert "| training rows | packed into 256 tokens, 3 a rank | one example per row of up to 128 tokens, 8 a rank |" in (
-        block
-    )
+    rows = "| training rows | packed into 256 tokens, 3 a rank | one example per row of up to 128 tokens, 8 a rank |"
+    assert rows in block
     (sweep / "1_experiment=legal_lora" / "metrics.json").unlink()  # an unfinished job is not half a table
     with pytest.raises(SystemExit, match="expected 2 finished jobs"):
         refresh_measured.refresh("examples", source=sweep, docs=tmp_path)

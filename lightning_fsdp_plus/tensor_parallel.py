@@ -1,0 +1,171 @@
+"""Tensor parallelism from the plan a model declares: transformers' ``config.base_model_tp_plan`` (or the user's
+``tensor_parallel_plan``), applied with torch's ``parallelize_module`` on the mesh's ``tensor`` dimension, before
+FSDP2 shards over the data-parallel dimensions (torchtitan's order: TP, activation checkpointing, compile, FSDP).
+
+Why torch's ``parallelize_module`` rather than transformers' own ``from_pretrained(tp_plan="auto")``: ours receives
+a model already built (often on the meta device, with PEFT's LoRA wrappers around the planned layers) and must
+give FSDP2, ``torch.distributed.checkpoint`` and the per-rank loader plain DTensor parameters; transformers' path
+shards at load time with its own mesh and hooks and knows nothing of the adapters. The plan's meaning is the same:
+``colwise`` splits a linear layer's output features (each rank computes some heads, or some of the MLP's hidden
+units), ``rowwise`` its input features and sums the partial outputs (one all-reduce per block's attention and MLP).
+transformers' attention reshapes with ``-1`` heads, so each rank runs its share of the query and key/value heads.
+
+LoRA adapters follow their base layer (Megatron's layout): on a column-wise layer ``lora_A`` is replicated and
+``lora_B`` column-wise, on a row-wise one ``lora_A`` is row-wise and ``lora_B`` replicated, so ``base(x) +
+B(A(x))`` adds tensors of the same local shape and no extra collective runs. Replicated parameters get the same
+gradient on every tensor-parallel rank (their inputs and output gradients are replicated: torch's styles all-reduce
+the input gradient of a column-wise layer).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output")
+"""Plan styles this module applies: transformers' names (torch's ``ColwiseParallel``, ``RowwiseParallel``, and a
+column-wise layer whose output is gathered back to full width)."""
+
+
+def _styles() -> dict[str, Callable[[], Any]]:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "colwise": ColwiseParallel,
+        "rowwise": RowwiseParallel,
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
+class TensorParallelError(ValueError):
+    """A tensor-parallel plan that cannot be applied to the model: no plan, a pattern that matches nothing, a layer
+    that is not a linear layer, or sizes (heads, features) the tensor-parallel ranks do not divide."""
+
+
+def check_tensor_parallel_plan(plan: Any) -> dict[str, str]:
+    """``{module path pattern: style}`` with known styles (a ``TensorParallelError`` lists them otherwise)."""
+    if not isinstance(plan, Mapping) or not plan:
+        raise TensorParallelError(
+            f"tensor_parallel_plan={plan!r} must be a non-empty mapping {{module path pattern: style}}, e.g."
+            " {'layers.*.self_attn.q_proj': 'colwise', 'layers.*.self_attn.o_proj': 'rowwise'}"
+        )
+    checked = {}
+    for pattern, style in plan.items():
+        if style not in STYLE_NAMES:
+            raise TensorParallelError(
+                f"tensor_parallel_plan[{pattern!r}]={style!r} is not one of {', '.join(STYLE_NAMES)}"
+            )
+        checked[str(pattern)] = str(style)
+    return checked
+
+
+def declared_plan(model: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan the model declares: the first ``config.base_model_tp_plan`` found on it or a
+    submodule (a transformers model; its keys are relative to the base model, matched as path suffixes)."""
+    for module in model.modules():
+        plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if plan:
+            return dict(plan)
+    return None
+
+
+def _pattern(key: str) -> re.Pattern[str]:
+    parts = (r"[^.]+" if part == "*" else re.escape(part) for part in key.split("."))
+    return re.compile(r"(?:^|\.)" + r"\.".join(parts) + "$")
+
+
+def planned_layers(model: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """``{module path: style}`` for every module a plan key matches (as a path suffix, ``*`` one component)."""
+    matched: dict[str, str] = {}
+    for key, style in plan.items():
+        pattern = _pattern(key)
+        hits = [path for path, _ in model.named_modules() if path and pattern.search(path)]
+        if not hits:
+            raise TensorParallelError(f"tensor-parallel plan key {key!r} matches no module of {type(model).__name__}")
+        matched.update(dict.fromkeys(hits, style))
+    return matched
+
+
+def _linear(module: nn.Module) -> nn.Module:
+    """The linear layer a planned module stands for: itself, or PEFT's ``base_layer`` of a LoRA wrapper."""
+    return getattr(module, "base_layer", module)
+
+
+def resolve_plan(model: nn.Module, *, size: int, given: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The layers tensor parallelism splits, ``{module path: style}``, checked against ``size`` ranks: the given
+    plan, else the declared one; a ``TensorParallelError`` that says what to give when there is neither, and names
+    the numbers when heads or features do not divide."""
+    plan = dict(given) if given is not None else declared_plan(model)
+    if not plan:
+        raise TensorParallelError(
+            f"tensor_parallel_size={size}: {type(model).__name__} declares no tensor-parallel plan (transformers'"
+            " config.base_model_tp_plan) and tensor_parallel_plan is not set. Give tensor_parallel_plan="
+            "{'<path>.q_proj': 'colwise', ..., '<path>.o_proj': 'rowwise'} naming its linear layers (each block's"
+            " first projections column-wise, the ones after them row-wise; '*' matches one path component), or"
+            " split it yourself in configure_model with parallelize_module on device_mesh['tensor_parallel']"
+        )
+    layers = planned_layers(model, plan)
+    for path, style in layers.items():
+        linear = _linear(model.get_submodule(path))
+        if not isinstance(linear, nn.Linear):
+            raise TensorParallelError(
+                f"tensor-parallel plan: {path} is a {type(linear).__name__}, not an nn.Linear; {style!r} splits"
+                " linear layers only"
+            )
+        features = linear.in_features if style == "rowwise" else linear.out_features
+        if features % size:
+            which = "in_features" if style == "rowwise" else "out_features"
+            raise TensorParallelError(
+                f"tensor_parallel_size={size} does not divide {path}.{which}={features} ({style}); valid sizes:"
+                f" {_common_divisors(model, layers)}"
+            )
+    _check_heads(model, size=size)
+    return layers
+
+
+def _check_heads(model: nn.Module, *, size: int) -> None:
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            continue
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for name, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count % size:
+                raise TensorParallelError(
+                    f"tensor_parallel_size={size} does not divide {name}={count} of {type(module).__name__}: each"
+                    f" tensor-parallel rank runs whole heads (valid sizes: divisors of {heads} and {kv_heads})"
+                )
+        return
+
+
+def _common_divisors(model: nn.Module, layers: Mapping[str, str]) -> str:
+    sizes = []
+    for path, style in layers.items():
+        linear = _linear(model.get_submodule(path))
+        sizes.append(linear.in_features if style == "rowwise" else linear.out_features)
+    top = min(sizes)
+    return ", ".join(str(d) for d in range(1, top + 1) if all(s % d == 0 for s in sizes))
+
+
+def apply_tensor_parallel(model: nn.Module, layers: Mapping[str, str], *, mesh: DeviceMesh) -> None:
+    """Split each planned layer over the 1-D tensor-parallel ``mesh`` in place (:func:`resolve_plan`'s layers);
+    a LoRA wrapper's adapters follow their base layer (see the module docstring)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = _styles()
+    for path, style in layers.items():
+        module = model.get_submodule(path)
+        parallelize_module(_linear(module), mesh, styles[style]())
+        if style == "colwise":
+            for adapter in getattr(module, "lora_B", {}).values():
+                parallelize_module(adapter, mesh, ColwiseParallel())
+        elif style == "rowwise":
+            for adapter in getattr(module, "lora_A", {}).values():
+                parallelize_module(adapter, mesh, RowwiseParallel())
+

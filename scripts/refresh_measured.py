@@ -8,6 +8,7 @@
     python scripts/refresh_measured.py published    # python -m benchmarks.published: ours vs published runs (~5 min)
     python scripts/refresh_measured.py vocab        # python -m benchmarks.vocab_memory: 128k/152k runs (~40 min)
     python scripts/refresh_measured.py packing      # python -m benchmarks.packing: packed vs unpacked (~25 min)
+    python scripts/refresh_measured.py tensor_parallel  # python -m benchmarks.tensor_parallel: TP vs FSDP (~4 min)
     python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.md
 
 Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in its page of
@@ -137,6 +138,7 @@ TARGETS: dict[str, tuple[str, list[str], Callable[..., str]]] = {
     "published": ("measured/published.md", ["-m", "benchmarks.published"], benchmark_block),
     "vocab": ("measured/vocab.md", ["-m", "benchmarks.vocab_memory"], benchmark_block),
     "packing": ("measured/examples.md", ["-m", "benchmarks.packing"], benchmark_block),
+    "tensor_parallel": ("measured/performance.md", ["-m", "benchmarks.tensor_parallel"], benchmark_block),
 }
 """Each block's page in ``docs/``, what it runs (arguments to ``python``) and how its output becomes the block."""
 

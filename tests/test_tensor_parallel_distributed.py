@@ -1,6 +1,7 @@
 """Automatic tensor parallelism matches one process (issue 48): a Llama, a Qwen2 and a GQA Llama (KV heads < heads),
-full and LoRA, with and without activation checkpointing, clipping on, 10 steps at fp32, on 2 ranks (tensor 2) and
-on 4 (2 data-parallel x 2 tensor). One ``torchrun`` launch of ``tests/helpers/tp_cases.py`` per layout."""
+full and LoRA, with and without activation checkpointing, and the Llama under SHARD_GRAD_OP, NO_SHARD and compile,
+clipping on, 10 steps at fp32, on 2 ranks (tensor 2) and on 4 (2 data-parallel x 2 tensor). One ``torchrun``
+launch of ``tests/helpers/tp_cases.py`` per layout."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ def test_every_case_trains_as_one_process(results):
         no_shard = name.endswith("no_shard")  # replicas of one rank each
         expected = {"replicate": data_parallel if no_shard else 1, "shard": 1 if no_shard else data_parallel}
         assert case["mesh"] == {**expected, "tensor": 2}, (layout, name)
+        assert bool(case["compiled"]) == name.endswith("compiled"), (name, case["compiled"])
         # every projection split over the tensor ranks (and sharded by FSDP2 over the data-parallel ones): 7 a layer,
         # and with LoRA one adapter matrix each, the one on the split side (lora_B of column-wise, lora_A of row-wise)
         split = case["placements"]

@@ -185,6 +185,8 @@ class MemoryEstimate:
     step``; :mod:`~.timeline`); None when the units are not known."""
     timeline: tuple[dict[str, Any], ...] = ()
     """Every moment of the step: name, live bytes (without the platform's gather copies) and their parts."""
+    tensor_parallel_size: int = 1
+    """Ranks each planned layer is split over (``world_size / tensor_parallel_size`` data-parallel ranks)."""
 
     def to_dict(self) -> dict[str, Any]:
         """All fields (bytes as integers)."""
@@ -270,16 +272,22 @@ def estimate_strategy(
     cpu_offload: bool = False,
     reshard_root: bool = False,
     platform: Platform = PLATFORMS["cuda"],
+    tensor_parallel_size: int = 1,
 ) -> MemoryEstimate:
     """Bytes per rank for one strategy at one world size; the root unit (the last) reshards after forward only
     with ``reshard_root`` (``reshard_root_after_forward``) — else its gathered copy counts at the end of forward
-    when the strategy reshards the others (a model known only by its size has no root apart: nothing added)."""
+    when the strategy reshards the others (a model known only by its size has no root apart: nothing added).
+    With ``tensor_parallel_size``, FSDP2 shards over ``world_size / tensor_parallel_size`` ranks and ``model``
+    describes one tensor rank's share (:func:`describe_module`)."""
     check_positive(world_size, key="world_size", meaning="the number of ranks")
     pb, states = _precision_bytes(precision), _optimizer_states(optimizer)
+    if world_size % tensor_parallel_size:
+        raise EstimateError(f"tensor_parallel_size={tensor_parallel_size} does not divide world_size={world_size}")
     try:
         layout = resolve_mesh_layout(
-            sharding_strategy=sharding_strategy, world_size=world_size, hybrid_shard_size=hybrid_shard_size
-        )
+            sharding_strategy=sharding_strategy, world_size=world_size // tensor_parallel_size,
+            hybrid_shard_size=hybrid_shard_size,
+        )  # fmt: skip
     except ValueError as err:
         raise EstimateError(str(err)) from None
     shard = layout.shard
@@ -376,6 +384,7 @@ def estimate_strategy(
         host_bytes_per_rank=host,
         peak_moment=peak_moment(moments).name if moments else None,
         timeline=tuple(m.to_dict() for m in moments),
+        tensor_parallel_size=tensor_parallel_size,
     )
 
 
@@ -388,11 +397,14 @@ def describe_module(
     source: str = "",
 ) -> ModelDescription:
     """Group a (real or fake) model's parameters as the strategy would (the pipeline's plan stage: units from the
-    wrap policy, replicated parameters under ``lora_only``). Apply LoRA / int8 before calling."""
+    wrap policy, replicated parameters under ``lora_only``). Apply LoRA / int8 before calling. With
+    ``options.tensor_parallel_size``, the layers of the tensor-parallel plan have one tensor rank's share
+    (:func:`tensor_parallel_shapes`)."""
     options = options or FSDPPlusOptions()
     plan = plan_model(model, options, layout=MeshLayout(replicate=1, shard=1), precision="32-true", device_type="cpu")
+    split = tensor_parallel_shapes(model, options)
     return ModelDescription(
-        units=tuple(u.params for u in plan.units),
+        units=tuple(tuple(replace(p, shape=split.get(p.name, p.shape)) for p in u.params) for u in plan.units),
         replicated=plan.replicated,
         activation_bytes=activation_bytes,
         source=source or type(model).__name__,
@@ -559,6 +571,38 @@ def describe_config_variants(
     return {key: value for key, value in out.items() if key[1] in checkpointing}
 
 
+def tensor_parallel_shapes(model: nn.Module, options: FSDPPlusOptions) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: one tensor rank's shape}`` for the parameters ``options.tensor_parallel_size`` splits:
+    a column-wise layer's weight rows and bias, and its LoRA ``lora_B``; a row-wise layer's weight columns and its
+    ``lora_A`` (:mod:`~lightning_fsdp_plus.tensor_parallel`)."""
+    from lightning_fsdp_plus.tensor_parallel import resolve_plan
+
+    size = options.tensor_parallel_size
+    if size == 1:
+        return {}
+    try:
+        layers = resolve_plan(model, size=size, given=options.tensor_parallel_plan)
+    except ValueError as err:
+        raise EstimateError(str(err)) from None
+    shapes: dict[str, tuple[int, ...]] = {}
+    params = dict(model.named_parameters())
+    for path, style in layers.items():
+        dim = 1 if style == "rowwise" else 0
+        split = [("base_layer.weight", dim), ("weight", dim)]
+        split += [("lora_A.", 1)] if style == "rowwise" else [("lora_B.", 0), ("base_layer.bias", 0), ("bias", 0)]
+        for name, param in params.items():
+            if not name.startswith(f"{path}."):
+                continue
+            rest = name[len(path) + 1 :]
+            for key, axis in split:
+                if rest == key or (key.endswith(".") and rest.startswith(key) and rest.endswith(".weight")):
+                    shape = list(param.shape)
+                    shape[axis] //= size
+                    shapes[name] = tuple(shape)
+                    break
+    return shapes
+
+
 def estimate_options(options: FSDPPlusOptions | None, **fields: Any) -> FSDPPlusOptions:
     """``options`` (default ones if None) with ``fields`` changed; bad keys or values as :class:`EstimateError`."""
     try:
@@ -615,6 +659,8 @@ def estimate_memory(
     opts = estimate_options(options, **option_fields)
     if activation_checkpointing:
         opts = opts.replace(activation_checkpointing=opts.auto_wrap_policy)
+    if params is not None and opts.tensor_parallel_size > 1:
+        raise EstimateError("tensor_parallel_size needs config=... (the layers its plan splits)")
     if params is not None and opts.lora is not None:
         raise EstimateError("lora (rank, targets) needs config=...; with params=... give trainable_fraction")
     if config is not None and trainable_fraction is not None:
@@ -635,7 +681,8 @@ def estimate_memory(
     else:
         model = describe_config(config, precision=precision, options=opts, batch=batch, chunked_loss=chunked_loss)
     common = {"precision": precision, "optimizer": optimizer, "hybrid_shard_size": opts.hybrid_shard_size,
-              "reshard_root": opts.reshard_root_after_forward, "platform": platform}  # fmt: skip
+              "reshard_root": opts.reshard_root_after_forward, "platform": platform,
+              "tensor_parallel_size": opts.tensor_parallel_size}  # fmt: skip
     estimates = [
         estimate_strategy(model, sharding_strategy=name, world_size=size, cpu_offload=opts.cpu_offload, **common)
         for size in sizes

@@ -81,6 +81,7 @@ EXPECTED = {
     "lora_nf4_sharded": {"lora_only": False, "quantize_base": "nf4", "quantize_double": False},
     "auto": {"sharding_strategy": "auto", "memory_margin": 0.1, "allow_quantize": ()},
     "auto_lora": {"sharding_strategy": "auto", "allow_quantize": ()},
+    "tp2d": {"sharding_strategy": ShardingStrategy.FULL_SHARD, "tensor_parallel_size": 2, "quantize_base": None},
 }
 
 

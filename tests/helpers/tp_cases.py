@@ -11,7 +11,8 @@ slice. The reference is one process, no distributed code: the same model from th
 
 Cases: a Llama (4 heads, 4 KV heads), a Qwen2 (4/4, attention biases) and a GQA Llama (8 heads, 2 KV heads), each
 full and LoRA (r 4 on every projection, sharded with its base layer), each with and without activation
-checkpointing; and the Llama under SHARD_GRAD_OP and NO_SHARD (a 2-D data-parallel mesh under the tensor one).
+checkpointing; and the Llama under SHARD_GRAD_OP, NO_SHARD (a 2-D data-parallel mesh under the tensor one) and
+``compile`` (each block compiled after tensor parallelism, before FSDP2).
 Rank 0 writes ``DIR/results.json``: per case, the largest loss and parameter difference, the plan's mesh, the
 tensor-parallel parameters' placements and each rank's bytes of them.
 """
@@ -45,6 +46,7 @@ CASES = {
        for arch in ARCHS for mode in ("full", "lora") for ac in (False, True)},
     "llama/full/shard_grad_op": ("llama", "full", {"sharding_strategy": "SHARD_GRAD_OP"}),
     "llama/full/no_shard": ("llama", "full", {"sharding_strategy": "NO_SHARD"}),
+    "llama/full/compiled": ("llama", "full", {"compile": True}),
 }  # fmt: skip
 """Name: (architecture, full or LoRA, more strategy options); FULL_SHARD unless they say otherwise."""
 
@@ -93,6 +95,7 @@ class Record(Callback):
         }  # fmt: skip
         self.local_bytes = sum(p.to_local().numel() * p.element_size() for p in trainer.strategy.model.parameters())
         self.mesh = trainer.strategy.sharding_plan.to_dict()["mesh"]
+        self.compiled = list(trainer.strategy.sharding_plan.compiled)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
@@ -160,6 +163,7 @@ def main() -> None:
             "losses": run.losses,
             "reference_losses": losses,
             "mesh": run.mesh,
+            "compiled": run.compiled,
             "placements": run.placements,
             "local_bytes": run.local_bytes,
             "full_bytes": sum(v.numel() * v.element_size() for v in final.values()),

@@ -15,7 +15,8 @@ reads them. Sources (lightning 2.6, tests/tests_pytorch/strategies/): ``fsdp__*`
 - the sharded checkpoint's file list also holds our manifest and per-rank RNG files.
 
 Not adapted: tensor parallelism (``test_setup_device_mesh``, ``test_tensor_parallel``, ``test_fsdp2_tensor_parallel``;
-fsdp_plus is data parallel only) and ``torch.compile`` (``..._single_file_checkpoint_with_compile``: inductor's C++
+Lightning's tensor-parallel example runs unchanged instead, tests/test_lightning_tp_example_distributed.py) and
+``torch.compile`` (``..._single_file_checkpoint_with_compile``: inductor's C++
 build takes minutes on CPU); see tests/lightning_compat/test_integration.py.
 """
 

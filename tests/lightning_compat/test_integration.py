@@ -20,9 +20,13 @@ from tests.lightning_compat.cases import CASES, OWN_CASES, TemplateModel
 SCRIPT = REPO / "tests" / "lightning_compat" / "cases.py"
 
 NOT_ADAPTED = {
-    "test_model_parallel_integration.py::test_setup_device_mesh": "tensor parallelism: fsdp_plus is data parallel",
-    "test_model_parallel_integration.py::test_tensor_parallel": "tensor parallelism: fsdp_plus is data parallel",
-    "test_model_parallel_integration.py::test_fsdp2_tensor_parallel": "tensor parallelism: fsdp_plus is data parallel",
+    "test_model_parallel_integration.py::test_setup_device_mesh": "it asserts ModelParallelStrategy's own mesh, 2-D"
+    " (data_parallel, tensor_parallel) with its 'auto' sizes; fsdp_plus's is (replicate, shard, tensor) with those"
+    " names as views (tests/test_lightning_tp_example_distributed.py uses them)",
+    "test_model_parallel_integration.py::test_tensor_parallel": "covered by Lightning's tensor-parallel example run"
+    " unchanged against ModelParallelStrategy (tests/test_lightning_tp_example_distributed.py)",
+    "test_model_parallel_integration.py::test_fsdp2_tensor_parallel": "covered by the same example with FSDP2 over"
+    " the data-parallel ranks, 4 ranks (tests/test_lightning_tp_example_distributed.py)",
     "test_model_parallel_integration.py::test_model_parallel_single_file_checkpoint_with_compile": "torch.compile: "
     "inductor's C++ build takes minutes per model on CPU; outside this suite's budget",
 }

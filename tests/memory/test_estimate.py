@@ -349,3 +349,28 @@ def test_the_table_says_what_the_cuda_runtime_adds_outside_the_allocator(tmp_pat
     doc = json.loads(run([*common, "--world-size", "2", "--json"]))["strategies"]["FULL_SHARD"]
     assert doc["real_peak_bytes_per_rank"] == doc["live_peak_bytes_per_rank"] + doc["runtime_bytes_per_rank"]
     assert "CUDA runtime" not in run([*common, "--world-size", "2", "--platform", "cpu-tcmalloc"])
+
+
+def test_tensor_parallel_splits_the_planned_layers_and_fsdp_shards_over_the_data_parallel_ranks(tmp_path):
+    """Issue 48: at tensor 2 x data 2, each projection of the declared plan counts half its elements, sharded over
+    2 ranks; the embeddings, norms and head whole, sharded over the same 2 (32-true: 4 bytes an element)."""
+    from lightning_fsdp_plus.plan import sharded_numel
+
+    model = tiny_llama()
+    model.config.save_pretrained(tmp_path)
+    split = {".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj."}
+    expected = 0
+    for name, param in model.named_parameters():
+        shape = list(param.shape)
+        if any(s in name for s in split):
+            shape[1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0] //= 2
+        expected += sharded_numel(tuple(shape), 2) * 4
+    _, (tp,) = estimate_memory(config=tmp_path, world_size=4, strategy="FULL_SHARD", precision="32-true",
+                               tensor_parallel_size=2)  # fmt: skip
+    _, (fsdp,) = estimate_memory(config=tmp_path, world_size=4, strategy="FULL_SHARD", precision="32-true")
+    assert tp.params == expected and tp.shard_size == 2 and tp.tensor_parallel_size == 2
+    assert tp.params != fsdp.params
+    with pytest.raises(EstimateError, match=r"tensor_parallel_size=2 does not divide world_size=3"):
+        estimate_memory(config=tmp_path, world_size=3, strategy="FULL_SHARD", tensor_parallel_size=2)
+    with pytest.raises(EstimateError, match=r"tensor_parallel_size needs config="):
+        estimate_memory(params=1e9, world_size=4, tensor_parallel_size=2)

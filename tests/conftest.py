@@ -21,7 +21,8 @@ runs): they do not tie their users to one worker."""
 LONGEST_FIRST = (
     *("slurm", "test_strategy_distributed", "test_preemption_distributed", "test_lora_experiments", "test_train_app"),
     *("test_loading_distributed", "test_activation_checkpointing", "test_integration", "test_run_smoke"),
-    *("test_compile", "test_failures_distributed", "test_checkpoint_distributed"),
+    *("test_compile", "test_failures_distributed", "test_checkpoint_distributed", "test_tensor_parallel_distributed"),
+    *("test_tensor_parallel_app_distributed", "test_lightning_tp_example_distributed"),
 )
 """Work units that start first (their names or node ids contain one of these, in this order): the shared launches
 and the longest single tests, so that no worker starts a long unit while the others have nothing left; the short
@@ -44,9 +45,11 @@ QUICK_LAUNCHES = (
     "tests/test_failures_distributed.py::test_one_rank_failing_in_a_plain_trainer_script_ends_every_rank_with_its_message[forward-1]",
     "tests/test_checkpoint_distributed.py::test_two_ranks_reshard_to_one_with_another_sharding_strategy",
     "tests/test_train_app.py::test_bad_input_exits_2_with_a_short_error_naming_key_and_choices_and_help_lists_the_groups",
+    "tests/test_lightning_tp_example_distributed.py::test_the_example_trains_as_under_model_parallel_strategy[default_on_2]",
 )  # fmt: skip
 """What ``--quick`` keeps of them: one short launch per major feature (a failing rank ends every rank; a sharded
-checkpoint written on 2 ranks resumes on 1; the app's errors); the single-process tests of every module stay."""
+checkpoint written on 2 ranks resumes on 1; the app's errors; Lightning's tensor-parallel example on 2 ranks); the
+single-process tests of every module stay."""
 LORA_KINDS = ("lora_int8", "lora_nf4")
 """The LoRA checkpoint scenarios: a replicated int8 base (adapter-only checkpoint) and a sharded NF4 one."""
 

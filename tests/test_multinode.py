@@ -34,7 +34,7 @@ def test_two_nodes_hybrid_shard_replicates_across_nodes_and_matches_one_process(
     assert all(agent.returncode == 0 for agent in agents), failure_excerpt("\n".join(outputs))
     result = load_case(tmp_path, "hybrid_shard_per_node_sgd")
     plan = result.rank0["plan"]
-    assert plan["mesh"] == {"replicate": 2, "shard": 1}  # shard groups within a node, replicas across nodes
+    assert plan["mesh"] == {"replicate": 2, "shard": 1, "tensor": 1}  # shard groups in a node, replicas across nodes
     assert result.rank0["world_size"] == 2
     losses, state = reference()
     assert max_loss_diff(result.rank0["losses"], losses) < 1e-5

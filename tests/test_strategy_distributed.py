@@ -48,7 +48,7 @@ def test_each_sharding_strategy_matches_single_process_reference(strategy_runs, 
 def test_hybrid_shard_uses_replicate_by_shard_mesh(strategy_runs):
     plan = load_case(strategy_runs[0], "hybrid_shard_sgd").rank0["plan"]
     assert plan["sharding_strategy"] == "HYBRID_SHARD"
-    assert plan["mesh"] == {"replicate": 2, "shard": 1}
+    assert plan["mesh"] == {"replicate": 2, "shard": 1, "tensor": 1}
 
 
 def test_adamw_matches_reference_within_documented_tolerance(strategy_runs, reference):

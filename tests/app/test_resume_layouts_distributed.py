@@ -24,7 +24,7 @@ from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 STEPS = 9
 COMMON = ("experiment=medical_lora", "trainer.log_every_n_steps=1", "trainer.limit_val_batches=1",
           "generate.num_prompts=0", "validate_before=false", "trainer.enable_progress_bar=false",
-          f"trainer.max_steps={STEPS}", "data.pack=true", "data.max_seq_len=192")  # fmt: skip
+          f"trainer.max_steps={STEPS}", "data.pack=true", "data.max_seq_len=192", "data.batch_size=8")  # fmt: skip
 
 
 def _train(run_dir: Path, *overrides: str) -> None:

@@ -15,8 +15,13 @@ from tests.conftest import load_case
 from tests.helpers.dist_cases import COMPILED_CASES
 from tests.test_strategy_distributed import max_loss_diff, max_param_diff
 
-TOLERANCE = {"bf16_mixed_compiled": 1e-3, "bf16_true_compiled": 1e-2}
-"""Losses and parameters within 1e-5 of eager in fp32; bf16 cases within bf16's own rounding."""
+TOLERANCE = {"bf16_mixed_compiled": 1e-3, "bf16_true_compiled": 1e-2, "llama_auto_compiled": 1e-4,
+             "llama_auto_fit_compiled": 1e-4}  # fmt: skip
+"""Losses and parameters within 1e-5 of eager in fp32; bf16 cases within bf16's own rounding. The Llama compiled by
+inductor: 1e-4 (as the packing cases' compiled run): its fused RMSNorm and softmax reductions round differently, and
+AdamW's normalised update (lr 1e-3) turns a rounding difference in a near-zero gradient into a parameter difference
+far above it: 1.02e-5 after 6 steps on this machine's inductor build (2026-12-05, the same on the commit before
+tensor parallelism), with identical losses."""
 FP32_AOT_EAGER = [n for n, spec in COMPILED_CASES.items() if "eager" in n or "eager" in spec]
 
 

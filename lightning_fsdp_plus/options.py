@@ -287,28 +287,22 @@ class FSDPPlusOptions:
             self._set("tensor_parallel_plan", check_tensor_parallel_plan(self.tensor_parallel_plan))
         if size == 1:
             return
-        refused = {
-            "sharding_strategy='auto'": self.auto,
-            f"quantize_base={self.quantize_base!r}": self.quantize_base is not None,
-            "lora_only=True": self.lora_only,
-            "device_mesh": self.device_mesh is not None,
-            "cpu_offload=True": self.cpu_offload,
-        }
-        why = {
-            "sharding_strategy='auto'": "the auto plan does not consider tensor parallelism yet: pin a"
-            " sharding_strategy",
-            f"quantize_base={self.quantize_base!r}": "bitsandbytes' int8/4-bit layers are not nn.Linear and their"
-            " packed weights and per-row statistics have no DTensor sharding: torch's ColwiseParallel and"
-            " RowwiseParallel take nn.Linear and nn.Embedding only; use quantize_base=None",
-            "lora_only=True": "the frozen base of a LoRA-only run is replicated, which tensor parallelism splits:"
-            " use lora_only=False",
-            "device_mesh": "the strategy builds the (replicate, shard, tensor) mesh itself: leave device_mesh unset",
-            "cpu_offload=True": "FSDP2's CPU offload of tensor-parallel (2-D) parameters is not supported here: use"
-            " cpu_offload=False",
-        }
-        for name, given in refused.items():
+        refused = (
+            (self.auto, "sharding_strategy='auto'", "the auto plan does not consider tensor parallelism yet: pin a"
+             " sharding_strategy"),
+            (self.quantize_base is not None, f"quantize_base={self.quantize_base!r}", "bitsandbytes' int8/4-bit layers"
+             " are not nn.Linear and their packed weights and per-row statistics have no DTensor sharding: torch's"
+             " ColwiseParallel and RowwiseParallel take nn.Linear and nn.Embedding only; use quantize_base=None"),
+            (self.lora_only, "lora_only=True", "the frozen base of a LoRA-only run is replicated, which tensor"
+             " parallelism splits: use lora_only=False"),
+            (self.device_mesh is not None, "device_mesh", "the strategy builds the (replicate, shard, tensor) mesh"
+             " itself: leave device_mesh unset"),
+            (self.cpu_offload, "cpu_offload=True", "FSDP2's CPU offload of tensor-parallel (2-D) parameters is not"
+             " supported here: use cpu_offload=False"),
+        )  # fmt: skip
+        for given, name, why in refused:
             if given:
-                raise ValueError(f"tensor_parallel_size={size} with {name}: {why[name]}")
+                raise ValueError(f"tensor_parallel_size={size} with {name}: {why}")
 
     def _set(self, key: str, value: Any) -> None:
         object.__setattr__(self, key, value)  # normalisation of a frozen dataclass, in __post_init__ only

@@ -153,19 +153,49 @@ def _common_divisors(model: nn.Module, layers: Mapping[str, str]) -> str:
     return ", ".join(str(d) for d in range(1, top + 1) if all(s % d == 0 for s in sizes))
 
 
+SPLIT = {"colwise": (("weight", 0), ("bias", 0), ("lora_B", 0)), "rowwise": (("weight", 1), ("lora_A", 1))}
+"""Per style, the parameters a layer splits and their split dimension: a column-wise layer's weight rows, bias and
+LoRA ``lora_B`` (:func:`apply_tensor_parallel` makes it column-wise too); a row-wise layer's weight columns and its
+``lora_A`` (row-wise too). ``colwise_gather_output`` splits like ``colwise`` and leaves its adapters whole."""
+
+
+def local_shapes(model: nn.Module, layers: Mapping[str, str], *, size: int) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: one tensor rank's shape}`` for the parameters the planned ``layers`` split over ``size``
+    ranks (:data:`SPLIT`), without splitting anything: what the memory estimator counts."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path, style in layers.items():
+        module = model.get_submodule(path)
+        linear = _linear(module)
+        owned = {"weight": linear.weight, "bias": linear.bias}
+        if style == "colwise_gather_output":
+            split = SPLIT["colwise"][:2]
+        else:
+            split = SPLIT[style]
+            adapter = split[-1][0]
+            owned |= {f"{adapter}.{k}": m.weight for k, m in getattr(module, adapter, {}).items()}
+        dims = dict(split)
+        for name, param in owned.items():
+            if param is None:
+                continue
+            dim = dims.get(name.split(".")[0])
+            if dim is None:
+                continue
+            shape = list(param.shape)
+            shape[dim] //= size
+            full = next(n for n, p in model.named_parameters() if p is param)
+            shapes[full] = tuple(shape)
+    return shapes
+
+
 def apply_tensor_parallel(model: nn.Module, layers: Mapping[str, str], *, mesh: DeviceMesh) -> None:
     """Split each planned layer over the 1-D tensor-parallel ``mesh`` in place (:func:`resolve_plan`'s layers);
     a LoRA wrapper's adapters follow their base layer (see the module docstring)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import parallelize_module
 
     styles = _styles()
     for path, style in layers.items():
         module = model.get_submodule(path)
         parallelize_module(_linear(module), mesh, styles[style]())
-        if style == "colwise":
-            for adapter in getattr(module, "lora_B", {}).values():
-                parallelize_module(adapter, mesh, ColwiseParallel())
-        elif style == "rowwise":
-            for adapter in getattr(module, "lora_A", {}).values():
-                parallelize_module(adapter, mesh, RowwiseParallel())
-
+        if style in SPLIT:  # the adapter on the split side takes its layer's style (SPLIT); the other stays whole
+            for adapter in getattr(module, SPLIT[style][-1][0], {}).values():
+                parallelize_module(adapter, mesh, styles[style]())

@@ -572,10 +572,9 @@ def describe_config_variants(
 
 
 def tensor_parallel_shapes(model: nn.Module, options: FSDPPlusOptions) -> dict[str, tuple[int, ...]]:
-    """``{parameter name: one tensor rank's shape}`` for the parameters ``options.tensor_parallel_size`` splits:
-    a column-wise layer's weight rows and bias, and its LoRA ``lora_B``; a row-wise layer's weight columns and its
-    ``lora_A`` (:mod:`~lightning_fsdp_plus.tensor_parallel`)."""
-    from lightning_fsdp_plus.tensor_parallel import resolve_plan
+    """``{parameter name: one tensor rank's shape}`` for the parameters ``options.tensor_parallel_size`` splits
+    (:func:`~lightning_fsdp_plus.tensor_parallel.local_shapes`); plan errors as :class:`EstimateError`."""
+    from lightning_fsdp_plus.tensor_parallel import local_shapes, resolve_plan
 
     size = options.tensor_parallel_size
     if size == 1:
@@ -584,23 +583,7 @@ def tensor_parallel_shapes(model: nn.Module, options: FSDPPlusOptions) -> dict[s
         layers = resolve_plan(model, size=size, given=options.tensor_parallel_plan)
     except ValueError as err:
         raise EstimateError(str(err)) from None
-    shapes: dict[str, tuple[int, ...]] = {}
-    params = dict(model.named_parameters())
-    for path, style in layers.items():
-        dim = 1 if style == "rowwise" else 0
-        split = [("base_layer.weight", dim), ("weight", dim)]
-        split += [("lora_A.", 1)] if style == "rowwise" else [("lora_B.", 0), ("base_layer.bias", 0), ("bias", 0)]
-        for name, param in params.items():
-            if not name.startswith(f"{path}."):
-                continue
-            rest = name[len(path) + 1 :]
-            for key, axis in split:
-                if rest == key or (key.endswith(".") and rest.startswith(key) and rest.endswith(".weight")):
-                    shape = list(param.shape)
-                    shape[axis] //= size
-                    shapes[name] = tuple(shape)
-                    break
-    return shapes
+    return local_shapes(model, layers, size=size)
 
 
 def estimate_options(options: FSDPPlusOptions | None, **fields: Any) -> FSDPPlusOptions:

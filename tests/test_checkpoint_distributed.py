@@ -76,7 +76,7 @@ def test_two_ranks_reshard_to_one_with_another_sharding_strategy(tmp_path, ckpt_
 def test_kill_9_of_one_rank_then_resume_from_last_finishes_like_the_uninterrupted_run(tmp_path, ckpt_reference):
     command = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--scenario", "killed", "--step-sleep", "0.4"]
     proc = subprocess.Popen(command, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for(tmp_path / "killed.rank1.progress", step=6, timeout=240)
+    wait_for(tmp_path / "killed.rank1.progress", step=6, timeout=240, proc=proc)
     os.kill(int((tmp_path / "killed.rank1.pid").read_text()), signal.SIGKILL)
     killed_at = time.time()
     output = proc.communicate(timeout=120)[0].decode()

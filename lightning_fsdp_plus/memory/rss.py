@@ -65,13 +65,15 @@ class PeakRss:
         """Peak file-backed memory above the start."""
         return self.peak.file - self.before.file
 
-    def _sample(self) -> None:
+    def sample(self) -> None:
+        """Take a sample now, besides the background thread's: where a caller knows its peak (a whole model
+        built before sharding) it need not rely on the thread being scheduled at that moment."""
         now = rss()
         self.peak = Rss(max(self.peak.anon, now.anon), max(self.peak.file, now.file))
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._sample()
+            self.sample()
             time.sleep(self.interval_s)
 
     def __enter__(self) -> PeakRss:
@@ -85,5 +87,5 @@ class PeakRss:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self._sample()
+        self.sample()
         self.after = rss()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 
-from tests.helpers.launch import REPO, run_script
+from tests.helpers.launch import REPO, failure_excerpt, run_script
 
 SCRIPT = REPO / "tests" / "helpers" / "ckpt_cases.py"
 
@@ -37,11 +38,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def wait_for(path: Path, *, step: int, timeout: float) -> None:
-    """Wait until a run's progress file says ``step`` (or later)."""
+def wait_for(
+    path: Path, *, step: int, timeout: float, proc: subprocess.Popen | None = None, log: Path | None = None
+) -> None:
+    """Wait until a run's progress file says ``step`` (or later); fail at once, with the run's output, when ``proc``
+    has already ended (a run that died before the step never writes it)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if path.is_file() and path.read_text().strip() and int(path.read_text()) >= step:
             return
+        if proc is not None and proc.poll() is not None:
+            output = log.read_text() if log is not None and log.is_file() else ""
+            raise RuntimeError(f"the run ended ({proc.returncode}) before {path} said step {step}:\n"
+                               + failure_excerpt(output))  # fmt: skip
         time.sleep(0.1)
     raise TimeoutError(f"{path} never reached step {step}")

@@ -189,6 +189,7 @@ def _memory(checkpoints: Path, mode: str, *, streamed: bool = True) -> dict[str,
     dist.barrier()
     with PeakRss(interval_s=0.001) as peak:
         module = _module(path, dtype, streamed=streamed)
+        peak.sample()  # the old path's peak (the whole model) is here; under load the 1 ms thread may miss it
         build_sharded_model(module, options, mesh=mesh, layout=layout, precision=FSDPPlusPrecision(precision),
                             device=torch.device("cpu"))  # fmt: skip
     target = memory_target(mode, bf16_bytes=bf16_bytes, largest_fp32=largest_fp32, world=dist.get_world_size())

@@ -3,13 +3,14 @@ ranks.
 
 A Llama (8 layers, 512 wide, 8 heads and 4 KV heads, MLP 1,376, vocabulary 4,096), full fine-tune in fp32, AdamW,
 clipping by norm, the same global batch of 8 sequences of 256 tokens in every layout (each data-parallel rank takes
-its share). Layouts: ``fsdp`` (FULL_SHARD over every rank) against ``tp2`` (tensor 2 x FULL_SHARD over the rest),
-and on 4 ranks ``tp4``. Per layout, on rank 0: the parameter bytes the plan keeps per rank (its table's total), the
-process's peak resident memory, the median step's wall and CPU time over the steps after ``WARMUP``, and the bytes
-one rank hands to collectives per step, counted by a dispatch mode over every ``c10d`` and functional-collective
-op: an all-gather's output, a reduce-scatter's input, an all-reduce's tensor (FSDP2's parameter all-gathers and
-gradient reduce-scatters; tensor parallelism's all-reduces of activations and their gradients; on a
-data-parallel group of one rank, FSDP2 moves nothing).
+its share). Layouts: ``fsdp`` (FULL_SHARD over every rank) against ``tp2`` (tensor 2 x FULL_SHARD over the rest), on
+2 ranks ``tp2_loss_parallel`` (the head split over the vocabulary too, torch's loss-parallel cross-entropy), and on
+4 ranks ``tp4``. Every layout computes the model's own loss (the whole logits). Per layout, on rank 0: the parameter
+bytes the plan keeps per rank (its table's total), the process's peak resident memory, the median step's wall and
+CPU time over the steps after ``WARMUP``, and the bytes one rank hands to collectives per step, counted by a
+dispatch mode over every ``c10d`` and functional-collective op: an all-gather's output, a reduce-scatter's input, an
+all-reduce's tensor (FSDP2's parameter all-gathers and gradient reduce-scatters; tensor parallelism's all-reduces of
+activations and their gradients; on a data-parallel group of one rank, FSDP2 moves nothing).
 
     python -m benchmarks.tensor_parallel --out outputs/measured/tensor_parallel
 """
@@ -29,8 +30,12 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, WARMUP, GLOBAL, SEQ = 8, 2, 8, 256
-LAYOUTS = {2: {"fsdp": 1, "tp2": 2}, 4: {"fsdp": 1, "tp2": 2, "tp4": 4}}
-"""Ranks: {layout: tensor-parallel size}."""
+LAYOUTS = {
+    2: {"fsdp": {}, "tp2": {"tensor_parallel_size": 2},
+        "tp2_loss_parallel": {"tensor_parallel_size": 2, "loss_parallel": True}},
+    4: {"fsdp": {}, "tp2": {"tensor_parallel_size": 2}, "tp4": {"tensor_parallel_size": 4}},
+}  # fmt: skip
+"""Ranks: {layout: its strategy options}."""
 
 
 def build() -> Any:
@@ -72,7 +77,7 @@ def _collective_bytes() -> Any:
     return Count()
 
 
-def rank_main(out: Path, layout: str, tp: int) -> None:
+def rank_main(out: Path, layout: str) -> None:
     """One layout's run (under torchrun); rank 0 writes ``out/<layout>-<ranks>.json``."""
     import torch
     from lightning.pytorch import Callback, Trainer, seed_everything
@@ -82,6 +87,8 @@ def rank_main(out: Path, layout: str, tp: int) -> None:
     from tests.helpers.ac_cases import UserLM
 
     world = int(os.environ["WORLD_SIZE"])
+    options = LAYOUTS[world][layout]
+    tp = options.get("tensor_parallel_size", 1)
     dp, data_rank = world // tp, int(os.environ["RANK"]) // tp
     generator = torch.Generator().manual_seed(1)
     batches = []
@@ -108,7 +115,7 @@ def rank_main(out: Path, layout: str, tp: int) -> None:
 
     measure = Measure()
     seed_everything(0)
-    trainer = Trainer(strategy=FSDPPlusStrategy(tensor_parallel_size=tp), accelerator="cpu", devices=world,
+    trainer = Trainer(strategy=FSDPPlusStrategy(**options), accelerator="cpu", devices=world,
                       max_steps=STEPS, gradient_clip_val=1.0, gradient_clip_algorithm="norm", limit_val_batches=0,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       use_distributed_sampler=False, callbacks=[measure])  # fmt: skip
@@ -131,7 +138,7 @@ def report(results: list[dict[str, Any]]) -> str:
     lines = ["| ranks | layout | tensor x data | parameter bytes per rank | peak RSS, rank 0 | step wall (s) |"
              " step CPU (s) | bytes to collectives per step, a rank |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in sorted(results, key=lambda r: (r["ranks"], r["tensor_parallel_size"])):
+    for r in sorted(results, key=lambda r: (r["ranks"], r["tensor_parallel_size"], r["layout"])):
         lines.append(
             f"| {r['ranks']} | {r['layout']} | {r['tensor_parallel_size']} x {r['data_parallel']} |"
             f" {r['param_bytes_per_rank']:,} | {r['peak_rss_bytes'] / 2**20:,.0f} MiB | {r['step_wall_s']:.3f} |"
@@ -144,18 +151,18 @@ def main(argv: list[str] | None = None) -> None:
     """Launch every layout at 2 and 4 ranks; write ``results.json`` and ``results.md`` under ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=REPO / "outputs" / "measured" / "tensor_parallel")
-    parser.add_argument("--rank-main", nargs=2, metavar=("LAYOUT", "TP"), help=argparse.SUPPRESS)
+    parser.add_argument("--rank-main", metavar="LAYOUT", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.rank_main:
-        rank_main(args.out, args.rank_main[0], int(args.rank_main[1]))
+        rank_main(args.out, args.rank_main)
         return
     started = time.perf_counter()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     for ranks, layouts in LAYOUTS.items():
-        for layout, tp in layouts.items():
+        for layout in layouts:
             command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
-                       "-m", "benchmarks.tensor_parallel", "--out", str(args.out), "--rank-main", layout, str(tp)]
+                       "-m", "benchmarks.tensor_parallel", "--out", str(args.out), "--rank-main", layout]  # fmt: skip
             subprocess.run(command, cwd=REPO, env=env, check=True)  # fmt: skip
     results = [json.loads(p.read_text()) for p in sorted(args.out.glob("*-[0-9].json"))]
     (args.out / "results.json").write_text(json.dumps(results, indent=1))

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_fsdp_plus.tensor_parallel import is_loss_parallel_head, local_loss
+
 IGNORE_INDEX = -100
 """Labels with this value are left out of the loss (transformers' and torch's convention)."""
 
@@ -164,13 +166,14 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 def output_head(model: nn.Module) -> nn.Linear | None:
     """The model's output head when the chunked loss can stand in for its loss: a transformers causal LM
-    (:func:`is_causal_lm`) whose ``get_output_embeddings()`` is a ``nn.Linear``, with no logit soft-capping or
-    scaling in its config; else None."""
+    (:func:`is_causal_lm`) whose ``get_output_embeddings()`` is a ``nn.Linear`` not split over the vocabulary
+    (``loss_parallel``: torch's loss-parallel cross-entropy does that), with no logit soft-capping or scaling in its
+    config; else None."""
     if not is_causal_lm(model):
         return None
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if callable(getter) else None
-    if not isinstance(head, nn.Linear):
+    if not isinstance(head, nn.Linear) or is_loss_parallel_head(head):
         return None
     config = getattr(model, "config", None)
     for name in _LOGIT_CHANGERS:
@@ -216,7 +219,7 @@ def causal_lm_loss(
     head = output_head(model) if chunked else None
     labels = batch.get("labels", batch["input_ids"])
     if head is None:
-        return model(**{**batch, "labels": labels}).loss
+        return local_loss(model(**{**batch, "labels": labels}).loss)  # a loss-parallel loss is a replicated DTensor
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     with _head_computes_loss(head, next_token_labels(labels), chunk_tokens) as seen:
         model(**inputs)

@@ -63,6 +63,12 @@ class FSDPPlusOptions:
     """``tensor_parallel_size > 1``: ``{module path pattern: style}`` (``*`` matches one path component; styles
     ``colwise``, ``rowwise``, and transformers' names for them) that overrides the plan the model declares
     (transformers' ``config.base_model_tp_plan``); ``None`` uses the declared one."""
+    loss_parallel: bool = False
+    """``tensor_parallel_size > 1``: split the output head over the vocabulary too (column-wise, its logits a
+    DTensor sharded on the vocabulary) and run every step and its backward inside torch's ``loss_parallel()``, so
+    ``F.cross_entropy`` (a transformers model's own loss) never gathers the whole logits: each tensor-parallel rank
+    holds ``1/tensor_parallel_size`` of the head and of the logits. A loss returned as a DTensor reaches Lightning
+    as a plain tensor. Not with tied embeddings; the app's chunked loss steps aside for the model's own."""
     auto_wrap_policy: WrapPolicy = "auto"
     """Which submodules become FSDP units: ``"auto"`` (transformers' ``_no_split_modules``, else the largest
     repeated block), module classes or class names, ``{"min_num_params": N}``, a callable ``(module) -> bool``,
@@ -285,7 +291,12 @@ class FSDPPlusOptions:
             raise ValueError(f"tensor_parallel_size={size!r} must be a positive integer (1: no tensor parallelism)")
         if self.tensor_parallel_plan is not None:
             self._set("tensor_parallel_plan", check_tensor_parallel_plan(self.tensor_parallel_plan))
+        if not isinstance(self.loss_parallel, bool):
+            raise ValueError(f"loss_parallel={self.loss_parallel!r} must be true or false")
         if size == 1:
+            if self.loss_parallel:
+                raise ValueError("loss_parallel=True needs tensor_parallel_size > 1 (it splits the output head over"
+                                 " the tensor-parallel ranks); tensor_parallel_size=1")  # fmt: skip
             return
         refused = (
             (self.auto, "sharding_strategy='auto'", "the auto plan does not consider tensor parallelism yet: pin a"

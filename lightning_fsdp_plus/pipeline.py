@@ -72,10 +72,18 @@ def prepare_model(model: nn.Module, options: FSDPPlusOptions) -> None:
         check_four_bit_layers(model, skip=options.quantize_skip, blocksize=options.quantize_blocksize)
 
 
+def tensor_parallel_layers(model: nn.Module, options: FSDPPlusOptions) -> dict[str, str]:
+    """``{module path: style}`` the options' tensor parallelism splits on ``model`` (empty at size 1); raises
+    ``TensorParallelError`` when the plan does not resolve or its sizes do not divide."""
+    if options.tensor_parallel_size == 1:
+        return {}
+    return resolve_plan(model, size=options.tensor_parallel_size, given=options.tensor_parallel_plan,
+                        loss_parallel=options.loss_parallel)  # fmt: skip
+
+
 def check_tensor_parallel(model: nn.Module, options: FSDPPlusOptions) -> None:
     """The plan tensor parallelism will apply resolves on ``model`` and its sizes divide (raises otherwise)."""
-    if options.tensor_parallel_size > 1:
-        resolve_plan(model, size=options.tensor_parallel_size, given=options.tensor_parallel_plan)
+    tensor_parallel_layers(model, options)
 
 
 def quantize_model(model: nn.Module, options: FSDPPlusOptions) -> list[str]:
@@ -235,9 +243,11 @@ def build_sharded_model(
     if options.sync_module_states:
         sync_module_states(model, device=device)
     if options.tensor_parallel_size > 1:  # torchtitan's order: tensor parallel, checkpointing, compile, FSDP
-        layers = resolve_plan(model, size=options.tensor_parallel_size, given=options.tensor_parallel_plan)
+        layers = tensor_parallel_layers(model, options)
         apply_tensor_parallel(model, layers, mesh=mesh["tensor"])
-        report(f"fsdp_plus: {len(layers)} linear layers split over {mesh['tensor'].size()} tensor-parallel ranks")
+        head = " (the output head over the vocabulary: loss parallel)" if options.loss_parallel else ""
+        report(f"fsdp_plus: {len(layers)} linear layers split over {mesh['tensor'].size()} tensor-parallel"
+               f" ranks{head}")  # fmt: skip
     plan = plan_model(model, options, layout=layout, precision=str(precision.precision), device_type=device.type)
     report(plan.format_table())
     shard_model(model, plan, mesh=mesh)

@@ -72,6 +72,7 @@ from lightning_fsdp_plus.preemption import (
 )
 from lightning_fsdp_plus.sharding import build_mesh, is_sharded
 from lightning_fsdp_plus.slurm import check_slurm_allocation
+from lightning_fsdp_plus.tensor_parallel import local_loss, loss_parallel_context
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -655,7 +656,15 @@ class FSDPPlusStrategy(ParallelStrategy):
         # The root unit is the LightningModule itself; calling training_step directly would bypass FSDP2's
         # forward hooks (unshard of root parameters, backward finalisation). Route it through __call__.
         assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        with loss_parallel_context(self.options.loss_parallel):
+            output = self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        return local_loss(output) if self.options.loss_parallel else output
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        # loss parallel: the cross-entropy's backward on vocabulary-sharded logits runs inside torch's context too
+        with loss_parallel_context(self.options.loss_parallel):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

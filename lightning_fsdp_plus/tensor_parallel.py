@@ -20,7 +20,8 @@ the input gradient of a column-wise layer).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -31,14 +32,23 @@ STYLE_NAMES = ("colwise", "rowwise", "colwise_gather_output")
 column-wise layer whose output is gathered back to full width)."""
 
 
+LOSS_PARALLEL = "loss_parallel"
+"""The style ``loss_parallel=True`` gives the output head (not a plan style): column-wise over the vocabulary, its
+logits left as a DTensor sharded on the vocabulary dimension for torch's ``loss_parallel`` cross-entropy."""
+
+_WHOLE_ADAPTERS = {"colwise_gather_output": "colwise", LOSS_PARALLEL: "colwise"}
+"""Styles that split a layer as another style in :data:`SPLIT` does but leave its adapters whole."""
+
+
 def _styles() -> dict[str, Callable[[], Any]]:
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     return {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
         "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        LOSS_PARALLEL: lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
     }
 
 
@@ -96,10 +106,13 @@ def _linear(module: nn.Module) -> nn.Module:
     return getattr(module, "base_layer", module)
 
 
-def resolve_plan(model: nn.Module, *, size: int, given: Mapping[str, str] | None = None) -> dict[str, str]:
+def resolve_plan(
+    model: nn.Module, *, size: int, given: Mapping[str, str] | None = None, loss_parallel: bool = False
+) -> dict[str, str]:
     """The layers tensor parallelism splits, ``{module path: style}``, checked against ``size`` ranks: the given
     plan, else the declared one; a ``TensorParallelError`` that says what to give when there is neither, and names
-    the numbers when heads or features do not divide."""
+    the numbers when heads or features do not divide. With ``loss_parallel``, the output head too
+    (:data:`LOSS_PARALLEL`, :func:`loss_parallel_head`)."""
     plan = dict(given) if given is not None else declared_plan(model)
     if not plan:
         raise TensorParallelError(
@@ -125,7 +138,87 @@ def resolve_plan(model: nn.Module, *, size: int, given: Mapping[str, str] | None
                 f" {_common_divisors(model, layers)}"
             )
     _check_heads(model, size=size)
+    if loss_parallel:
+        layers[loss_parallel_head(model, size=size)] = LOSS_PARALLEL
     return layers
+
+
+def loss_parallel_head(model: nn.Module, *, size: int) -> str:
+    """The path of the output head ``loss_parallel=True`` splits over the vocabulary: the ``get_output_embeddings()``
+    of the first transformers model in ``model``; a ``TensorParallelError`` when there is none, when it is not a
+    ``nn.Linear``, when its weight is the input embedding's (tied), or when ``size`` does not divide the
+    vocabulary."""
+    found = next(((path, module, head) for path, module in model.named_modules() if (head := _output_head(module))),
+                 None)  # fmt: skip
+    if found is None:
+        raise TensorParallelError(
+            f"loss_parallel=True: {type(model).__name__} has no output head (no transformers model with"
+            " get_output_embeddings()); use loss_parallel=False, or apply torch's loss_parallel yourself"
+        )
+    path, module, head = found
+    name = next(f"{path}.{n}".lstrip(".") for n, m in module.named_modules() if m is head)
+    if not isinstance(head, nn.Linear):  # FSDP2's subclass of a sharded head is one
+        raise TensorParallelError(
+            f"loss_parallel=True: the output head {name} is a {type(head).__name__}, not an nn.Linear (an adapter"
+            " wrapper cannot be split over the vocabulary); use loss_parallel=False"
+        )
+    embeddings = module.get_input_embeddings() if callable(getattr(module, "get_input_embeddings", None)) else None
+    if embeddings is not None and getattr(embeddings, "weight", None) is head.weight:
+        raise TensorParallelError(
+            f"loss_parallel=True: the output head {name} shares its weight with the input embedding"
+            " (tie_word_embeddings); splitting it over the vocabulary would split the embedding too. Use"
+            " loss_parallel=False (the head stays whole on each tensor-parallel rank) or an untied model"
+        )
+    if head.out_features % size:
+        raise TensorParallelError(
+            f"loss_parallel=True: tensor_parallel_size={size} does not divide the vocabulary of {name}"
+            f" (out_features={head.out_features})"
+        )
+    return name
+
+
+def _output_head(module: nn.Module) -> nn.Module | None:
+    """A transformers model's ``get_output_embeddings()``; None for other modules."""
+    getter = getattr(module, "get_output_embeddings", None)
+    return getter() if callable(getter) and hasattr(module, "config") else None
+
+
+def is_loss_parallel_head(module: nn.Module) -> bool:
+    """Whether :func:`apply_tensor_parallel` split ``module`` over the vocabulary (its logits are a DTensor)."""
+    return bool(getattr(module, "_fsdp_plus_loss_parallel", False))
+
+
+@contextmanager
+def loss_parallel_context(enabled: bool) -> Iterator[None]:
+    """torch's ``loss_parallel()`` when ``enabled`` (cross-entropy on vocabulary-sharded logits, forward and
+    backward), else nothing."""
+    if not enabled:
+        yield
+        return
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        yield
+
+
+def gathered(tensor: Any) -> Any:
+    """A DTensor made whole on every rank (``full_tensor()``, e.g. loss-parallel logits for decoding); anything
+    else as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_loss(output: Any) -> Any:
+    """A step's output with a DTensor loss (replicated, from loss-parallel cross-entropy) made a plain tensor, the
+    gradient still flowing: what Lightning's loops and the user's logging expect. Other outputs as they are."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(output, DTensor):
+        return output.to_local()
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), DTensor):
+        return {**output, "loss": output["loss"].to_local()}
+    return output
 
 
 def _check_heads(model: nn.Module, *, size: int) -> None:
@@ -156,7 +249,8 @@ def _common_divisors(model: nn.Module, layers: Mapping[str, str]) -> str:
 SPLIT = {"colwise": (("weight", 0), ("bias", 0), ("lora_B", 0)), "rowwise": (("weight", 1), ("lora_A", 1))}
 """Per style, the parameters a layer splits and their split dimension: a column-wise layer's weight rows, bias and
 LoRA ``lora_B`` (:func:`apply_tensor_parallel` makes it column-wise too); a row-wise layer's weight columns and its
-``lora_A`` (row-wise too). ``colwise_gather_output`` splits like ``colwise`` and leaves its adapters whole."""
+``lora_A`` (row-wise too). ``colwise_gather_output`` and :data:`LOSS_PARALLEL` split like ``colwise`` and leave
+their adapters whole."""
 
 
 def local_shapes(model: nn.Module, layers: Mapping[str, str], *, size: int) -> dict[str, tuple[int, ...]]:
@@ -167,8 +261,8 @@ def local_shapes(model: nn.Module, layers: Mapping[str, str], *, size: int) -> d
         module = model.get_submodule(path)
         linear = _linear(module)
         owned = {"weight": linear.weight, "bias": linear.bias}
-        if style == "colwise_gather_output":
-            split = SPLIT["colwise"][:2]
+        if style in _WHOLE_ADAPTERS:
+            split = SPLIT[_WHOLE_ADAPTERS[style]][:2]
         else:
             split = SPLIT[style]
             adapter = split[-1][0]
@@ -196,6 +290,8 @@ def apply_tensor_parallel(model: nn.Module, layers: Mapping[str, str], *, mesh: 
     for path, style in layers.items():
         module = model.get_submodule(path)
         parallelize_module(_linear(module), mesh, styles[style]())
+        if style == LOSS_PARALLEL:
+            module._fsdp_plus_loss_parallel = True  # read by is_loss_parallel_head (the app's loss)
         if style in SPLIT:  # the adapter on the split side takes its layer's style (SPLIT); the other stays whole
             for adapter in getattr(module, SPLIT[style][-1][0], {}).values():
                 parallelize_module(adapter, mesh, styles[style]())

@@ -12,7 +12,14 @@ from lightning_fsdp_plus import FSDPPlusStrategy
 from lightning_fsdp_plus.lora import apply_lora
 from lightning_fsdp_plus.options import FSDPPlusOptions
 from lightning_fsdp_plus.plan import MeshLayout
-from lightning_fsdp_plus.tensor_parallel import TensorParallelError, declared_plan, resolve_plan
+from lightning_fsdp_plus.tensor_parallel import (
+    LOSS_PARALLEL,
+    TensorParallelError,
+    declared_plan,
+    local_loss,
+    local_shapes,
+    resolve_plan,
+)
 from tests.helpers.ac_cases import LORA, UserLM
 
 
@@ -60,6 +67,48 @@ def test_heads_and_features_the_tensor_ranks_do_not_divide_are_refused_with_the_
         resolve_plan(_model(), size=4)
     with pytest.raises(TensorParallelError, match=r"tensor_parallel_size=3 does not divide .*out_features=64"):
         resolve_plan(_model(), size=3)
+
+
+def test_loss_parallel_splits_an_untied_head_over_the_vocabulary_and_refuses_what_it_cannot_split():
+    model = _model()
+    layers = resolve_plan(model, size=2, loss_parallel=True)
+    assert layers["lm_head"] == LOSS_PARALLEL and len(layers) == 2 * 7 + 1
+    assert local_shapes(model, layers, size=2)["lm_head.weight"] == (48, 64)  # half the vocabulary's rows
+    module = UserLM(model)
+    apply_lora(module, LORA)
+    assert resolve_plan(module, size=2, loss_parallel=True)["model.base_model.model.lm_head"] == LOSS_PARALLEL
+    with pytest.raises(TensorParallelError, match=r"lm_head shares its weight with the input embedding"
+                                                  r" \(tie_word_embeddings\)"):  # fmt: skip
+        resolve_plan(_model(tie_word_embeddings=True), size=2, loss_parallel=True)
+    with pytest.raises(TensorParallelError, match=r"tensor_parallel_size=2 does not divide the vocabulary of"
+                                                  r" lm_head \(out_features=95\)"):  # fmt: skip
+        resolve_plan(_model(vocab_size=95), size=2, loss_parallel=True)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.raises(TensorParallelError, match=r"loss_parallel=True: Sequential has no output head"):
+        resolve_plan(plain, size=2, given={"0": "colwise", "1": "rowwise"}, loss_parallel=True)
+    with pytest.raises(ValueError, match=r"loss_parallel=True needs tensor_parallel_size > 1 .*tensor_parallel_size=1"):
+        FSDPPlusOptions(loss_parallel=True)
+    with pytest.raises(ValueError, match=r"loss_parallel='yes' must be true or false"):
+        FSDPPlusOptions(tensor_parallel_size=2, loss_parallel="yes")
+
+
+def test_a_replicated_dtensor_loss_reaches_lightning_as_a_plain_tensor_with_its_gradient():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        weight = torch.ones(3, requires_grad=True)
+        loss = DTensor.from_local((weight * 2).sum(), init_device_mesh("cpu", (1,)), [Replicate()])
+        out = local_loss({"loss": loss, "n": 1})
+        assert type(out["loss"]) is torch.Tensor and out["n"] == 1 and out["loss"].item() == 6.0
+        out["loss"].backward()
+        assert weight.grad.tolist() == [2.0, 2.0, 2.0]
+        plain = torch.tensor(1.0)
+        assert local_loss(plain) is plain
+    finally:
+        dist.destroy_process_group()
 
 
 def test_the_layout_divides_the_world_by_the_tensor_ranks():

@@ -1,7 +1,7 @@
 """Automatic tensor parallelism matches one process (issue 48): a Llama, a Qwen2 and a GQA Llama (KV heads < heads),
-full and LoRA, with and without activation checkpointing, and the Llama under SHARD_GRAD_OP, NO_SHARD and compile,
-clipping on, 10 steps at fp32, on 2 ranks (tensor 2) and on 4 (2 data-parallel x 2 tensor). One ``torchrun``
-launch of ``tests/helpers/tp_cases.py`` per layout."""
+full and LoRA, with and without activation checkpointing, a tied GQA Qwen2, loss parallel (GQA Llama, Qwen2 LoRA),
+and the Llama under SHARD_GRAD_OP, NO_SHARD and compile, clipping on, 10 steps at fp32, on 2 ranks (tensor 2) and on
+4 (2 data-parallel x 2 tensor). One ``torchrun`` launch of ``tests/helpers/tp_cases.py`` per layout."""
 
 from __future__ import annotations
 
@@ -38,7 +38,9 @@ def test_every_case_trains_as_one_process(results):
         # and with LoRA one adapter matrix each, the one on the split side (lora_B of column-wise, lora_A of row-wise)
         split = case["placements"]
         weights = [k for k in split if k.endswith("weight")]  # Qwen2's q/k/v biases are split with their weights
-        assert len(weights) == 2 * 7 * (2 if "lora" in name else 1), (name, sorted(split))
+        head = [k for k in weights if k.endswith("lm_head.weight")]
+        assert len(head) == name.endswith("loss_parallel"), (name, head)  # split over the vocabulary, or whole
+        assert len(weights) == 2 * 7 * (2 if "lora" in name else 1) + len(head), (name, sorted(split))
         assert {p[-1] for p in split.values()} == {"S(0)", "S(1)"}, split  # column-wise rows, row-wise columns
         if "lora" in name:
             assert split["model.base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"][-1] == "S(0)"

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fsdp_plus.tensor_parallel import gathered
+
 
 @torch.no_grad()
 def greedy_generate(
@@ -26,13 +28,14 @@ def greedy_generate(
     max_new_tokens: int = 48,
     device: torch.device | str = "cpu",
 ) -> list[str]:
-    """Decode each prompt greedily (argmax, batch of one, no cache) until EOS or ``max_new_tokens``."""
+    """Decode each prompt greedily (argmax, batch of one, no cache) until EOS or ``max_new_tokens``; logits split
+    over the vocabulary (``loss_parallel``) are gathered at the last position only."""
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=device)
         new: list[int] = []
         for _ in range(max_new_tokens):
-            next_id = int(forward(ids)[0, -1].argmax())
+            next_id = int(gathered(forward(ids)[0, -1]).argmax())  # loss-parallel logits: the last position
             if next_id == tokenizer.eos_token_id:
                 break
             new.append(next_id)

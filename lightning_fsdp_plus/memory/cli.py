@@ -98,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     docs = {k: v.replace("%", "%%") for k, v in field_docs().items()}  # the options' own docstrings (argparse-safe)
     parser.add_argument("--hybrid-shard-size", type=int, help=docs.get("hybrid_shard_size"))
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help=docs.get("tensor_parallel_size"))
+    parser.add_argument("--loss-parallel", action="store_true", help=docs.get("loss_parallel"))
     parser.add_argument("--precision", default="bf16-mixed", choices=list(PRECISION_BYTES))
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES))
     parser.add_argument("--lora-rank", type=int, help="apply PEFT LoRA of this rank (needs --config)")
@@ -293,7 +294,8 @@ def run(argv: Sequence[str] | None = None) -> str:
             precision=args.precision, optimizer=args.optimizer, hybrid_shard_size=args.hybrid_shard_size,
             lora=lora, trainable_fraction=args.trainable_fraction, lora_only=args.lora_only,
             quantize_base=args.quantize_base, cpu_offload=args.cpu_offload,
-            tensor_parallel_size=args.tensor_parallel_size, reshard_root_after_forward=args.reshard_root_after_forward,
+            tensor_parallel_size=args.tensor_parallel_size, loss_parallel=args.loss_parallel,
+            reshard_root_after_forward=args.reshard_root_after_forward,
             **({"quantize_blocksize": args.quantize_blocksize, "quantize_double": args.quantize_double}
                if args.quantize_base in ("nf4", "fp4") else {}),
             activation_checkpointing=args.activation_checkpointing, batch_size=args.batch_size, padded=args.padded,
@@ -311,8 +313,13 @@ def run(argv: Sequence[str] | None = None) -> str:
         + (f", {args.quantize_base} base" if args.quantize_base else "")
         + (", frozen base replicated" if args.lora_only else "")
         + (", CPU offload" if args.cpu_offload else "")
-        + (f", tensor parallel {args.tensor_parallel_size} (parameter counts: one tensor rank's share; activations"
-           " counted whole)" if args.tensor_parallel_size > 1 else "")
+        + (
+            f", tensor parallel {args.tensor_parallel_size} (parameter counts: one tensor rank's share; activations"
+            " counted whole)"
+            if args.tensor_parallel_size > 1
+            else ""
+        )
+        + (", loss parallel (the head split over the vocabulary, the model's own loss)" if args.loss_parallel else "")
         + (", root resharded after forward" if args.reshard_root_after_forward else "")
         + (f", {args.checkpointing_mode} activation checkpointing" if args.activation_checkpointing else "")
         + (", the model's own (unchunked) loss" if args.config and args.unchunked_loss else "")

@@ -53,7 +53,7 @@ from lightning_fsdp_plus.memory.fake import EstimateError, ForwardBatch, config_
 from lightning_fsdp_plus.memory.monitor import SavedActivations
 from lightning_fsdp_plus.memory.timeline import Moment, UnitActivations, UnitCost, peak_moment, step_timeline
 from lightning_fsdp_plus.options import FSDPPlusOptions
-from lightning_fsdp_plus.pipeline import plan_model
+from lightning_fsdp_plus.pipeline import plan_model, tensor_parallel_layers
 from lightning_fsdp_plus.plan import MeshLayout, ParamInfo, ShardingStrategy, resolve_mesh_layout, sharded_numel
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, compute_dtype
 from lightning_fsdp_plus.sharding import apply_activation_checkpointing, selective_saved_ops
@@ -574,16 +574,13 @@ def describe_config_variants(
 def tensor_parallel_shapes(model: nn.Module, options: FSDPPlusOptions) -> dict[str, tuple[int, ...]]:
     """``{parameter name: one tensor rank's shape}`` for the parameters ``options.tensor_parallel_size`` splits
     (:func:`~lightning_fsdp_plus.tensor_parallel.local_shapes`); plan errors as :class:`EstimateError`."""
-    from lightning_fsdp_plus.tensor_parallel import local_shapes, resolve_plan
+    from lightning_fsdp_plus.tensor_parallel import local_shapes
 
-    size = options.tensor_parallel_size
-    if size == 1:
-        return {}
     try:
-        layers = resolve_plan(model, size=size, given=options.tensor_parallel_plan)
+        layers = tensor_parallel_layers(model, options)
     except ValueError as err:
         raise EstimateError(str(err)) from None
-    return local_shapes(model, layers, size=size)
+    return local_shapes(model, layers, size=options.tensor_parallel_size) if layers else {}
 
 
 def estimate_options(options: FSDPPlusOptions | None, **fields: Any) -> FSDPPlusOptions:
@@ -625,7 +622,8 @@ def estimate_memory(
     the root. Every argument is checked before any model is built; errors are :class:`EstimateError` naming the
     key. ``simulate`` adds torch's FSDP2 memory tracker's peak (fake process group, FakeTensors) to each;
     ``platform`` is what the real peak is for; ``chunked_loss=False`` counts the model's own loss (the batch's
-    float32 logits) instead of the app's chunked one.
+    float32 logits) instead of the app's chunked one, as ``loss_parallel=True`` does (logits counted whole: an upper
+    bound, each tensor rank holds ``1/tensor_parallel_size`` of them).
     """
     if (params is None) == (config is None):
         raise EstimateError("give exactly one of params (a parameter count) or config (a config.json path)")
@@ -656,6 +654,7 @@ def estimate_memory(
         raise EstimateError("padded=True and packed=True: a batch is rows of single examples padded to the longest,"
                             " or packed rows (data.pack) with no attention mask; give one")  # fmt: skip
     batch = ForwardBatch(batch_size=batch_size, seq_len=seq_len, padded=padded, packed=packed)
+    chunked_loss = chunked_loss and not opts.loss_parallel  # the model's own loss on vocabulary-sharded logits
     if params is not None:
         model = describe_param_count(
             params, trainable_fraction=1.0 if trainable_fraction is None else trainable_fraction,

@@ -38,3 +38,21 @@ def test_tp2d_trains_the_experiment_as_fsdp_alone(tmp_path):
     assert len(by_step[0]) == 4 and max(abs(by_step[0][s] - by_step[1][s]) for s in by_step[1]) <= 1e-4, by_step
     assert tp["val_perplexity"] < tp["base_val_perplexity"]
     assert (tmp_path / "tp2d" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_loss_parallel_trains_the_app_with_the_models_own_loss_and_decodes(tmp_path):
+    """The app's tiny Llama built from its config (untied) on the medical data, the head split over the vocabulary:
+    the app's loss steps aside for the model's own, validation and greedy decoding run on vocabulary-sharded logits.
+    (The strategy's check runs again when the Trainer meets the sharded module: its head is FSDP2's subclass.)"""
+    run = tmp_path / "loss_parallel"
+    command = [sys.executable, "-m", "lightning_fsdp_plus.app.train", f"hydra.run.dir={run}", "data=medical",
+               "strategy=tp2d", "strategy.loss_parallel=true", "trainer.max_steps=4", "trainer.limit_val_batches=2",
+               "generate.num_prompts=1", "trainer.enable_progress_bar=false"]  # fmt: skip
+    proc = subprocess.run(command, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, failure_excerpt(console)
+    assert "the output head over the vocabulary: loss parallel" in console
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["val_perplexity"] < metrics["base_val_perplexity"]
+    generated = [json.loads(line) for line in (run / "generations.jsonl").read_text().splitlines()]
+    assert len(generated) == 1 and generated[0]["generated"]

@@ -11,8 +11,11 @@ slice. The reference is one process, no distributed code: the same model from th
 
 Cases: a Llama (4 heads, 4 KV heads), a Qwen2 (4/4, attention biases) and a GQA Llama (8 heads, 2 KV heads), each
 full and LoRA (r 4 on every projection, sharded with its base layer), each with and without activation
-checkpointing; and the Llama under SHARD_GRAD_OP, NO_SHARD (a 2-D data-parallel mesh under the tensor one) and
-``compile`` (each block compiled after tensor parallelism, before FSDP2).
+checkpointing; a tied Qwen2 with GQA, full fine-tune (the tied table stays whole on each tensor rank and trains from
+both ends: the embedding's and the head's gradients);
+loss parallel (the head split over the vocabulary, the model's own cross-entropy under torch's ``loss_parallel``)
+on the GQA Llama and on Qwen2 with LoRA; and the Llama under SHARD_GRAD_OP, NO_SHARD (a 2-D data-parallel mesh under
+the tensor one) and ``compile`` (each block compiled after tensor parallelism, before FSDP2).
 Rank 0 writes ``DIR/results.json``: per case, the largest loss and parameter difference, the plan's mesh, the
 tensor-parallel parameters' placements and each rank's bytes of them.
 """
@@ -39,16 +42,38 @@ ARCHS = {
     "llama": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4}),
     "qwen2": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 4}),
     "gqa": ("llama", {"num_attention_heads": 8, "num_key_value_heads": 2}),
+    "qwen2_tied": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}),
 }
-"""Name: (transformers architecture, heads); all 64 wide, MLP 128, 2 layers."""
+"""Name: (transformers architecture, heads and more config); all 64 wide, MLP 128, 2 layers; untied unless the name
+says tied (Qwen 2.5's small models and Llama 3.2 tie the head to the embedding)."""
 CASES = {
     **{f"{arch}/{mode}{'/checkpointed' if ac else ''}": (arch, mode, {"activation_checkpointing": "auto"} if ac else {})
-       for arch in ARCHS for mode in ("full", "lora") for ac in (False, True)},
+       for arch in ("llama", "qwen2", "gqa") for mode in ("full", "lora") for ac in (False, True)},
+    "qwen2_tied/full": ("qwen2_tied", "full", {}),
+    "gqa/full/loss_parallel": ("gqa", "full", {"loss_parallel": True}),
+    "qwen2/lora/loss_parallel": ("qwen2", "lora", {"loss_parallel": True}),
     "llama/full/shard_grad_op": ("llama", "full", {"sharding_strategy": "SHARD_GRAD_OP"}),
     "llama/full/no_shard": ("llama", "full", {"sharding_strategy": "NO_SHARD"}),
     "llama/full/compiled": ("llama", "full", {"compile": True}),
 }  # fmt: skip
 """Name: (architecture, full or LoRA, more strategy options); FULL_SHARD unless they say otherwise."""
+APP_LOSS = {"qwen2/lora/loss_parallel"}
+"""Cases whose module computes the app's loss (``causal_lm_loss``: chunked, unless the head is split over the
+vocabulary, where it steps aside for the model's own); the others return the model's ``.loss``."""
+
+
+class AppLossLM(UserLM):
+    """``UserLM`` with the app's loss."""
+
+    def training_step(self, batch, batch_idx):
+        from lightning_fsdp_plus.loss import causal_lm_loss
+
+        return causal_lm_loss(self.model, batch)
+
+
+def module_for(name: str, model: torch.nn.Module) -> UserLM:
+    """The LightningModule case ``name`` trains (:data:`APP_LOSS`)."""
+    return (AppLossLM if name in APP_LOSS else UserLM)(model)
 
 
 def world_size() -> int:
@@ -107,7 +132,7 @@ class Record(Callback):
 _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def fit(arch: str, mode: str, extra: dict, *, tp: int, steps: list[list[dict]]) -> Record:
+def fit(name: str, arch: str, mode: str, extra: dict, *, tp: int, steps: list[list[dict]]) -> Record:
     seed_everything(0)
     data_rank = int(os.environ.get("RANK", 0)) // tp
     record = Record()
@@ -117,15 +142,15 @@ def fit(arch: str, mode: str, extra: dict, *, tp: int, steps: list[list[dict]]) 
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       use_distributed_sampler=False, callbacks=[record])  # fmt: skip
     batches = [step[data_rank] for step in steps]
-    trainer.fit(UserLM(build(arch)), train_dataloaders=DataLoader(batches, batch_size=None))
+    trainer.fit(module_for(name, build(arch)), train_dataloaders=DataLoader(batches, batch_size=None))
     return record
 
 
-def reference(arch: str, mode: str, initial: dict, steps: list[list[dict]]) -> tuple[list[float], dict]:
+def reference(name: str, arch: str, mode: str, initial: dict, steps: list[list[dict]]) -> tuple[list[float], dict]:
     """One process: the run's starting weights, each step's per-rank losses averaged, clipping, AdamW."""
     from lightning_fsdp_plus.lora import apply_lora
 
-    module = UserLM(build(arch))
+    module = module_for(name, build(arch))
     if mode == "lora":
         apply_lora(module, LORA)
     module.load_state_dict(initial)
@@ -153,13 +178,14 @@ def main() -> None:
     for name, (arch, mode, extra) in CASES.items():
         if args.only and name not in args.only:
             continue
-        run = fit(arch, mode, extra, tp=args.tp, steps=steps)
+        run = fit(name, arch, mode, extra, tp=args.tp, steps=steps)
         if rank() != 0:
             continue
-        losses, final = reference(arch, mode, run.initial, steps)
+        losses, final = reference(name, arch, mode, run.initial, steps)
         results[name] = {
             "loss_diff": max(abs(a - b) for a, b in zip(run.losses, losses, strict=True)),
             "param_diff": max((run.final[k] - v).abs().max().item() for k, v in final.items()),
+            "worst_param": max(final, key=lambda k: (run.final[k] - final[k]).abs().max().item()),
             "losses": run.losses,
             "reference_losses": losses,
             "mesh": run.mesh,

@@ -374,3 +374,16 @@ def test_tensor_parallel_splits_the_planned_layers_and_fsdp_shards_over_the_data
         estimate_memory(config=tmp_path, world_size=3, strategy="FULL_SHARD", tensor_parallel_size=2)
     with pytest.raises(EstimateError, match=r"tensor_parallel_size needs config="):
         estimate_memory(params=1e9, world_size=4, tensor_parallel_size=2)
+    # loss parallel: the head's rows split too, and the loss is the model's own (the whole logits counted)
+    even = tmp_path / "vocab64"
+    model.config.vocab_size = 64  # tiny_llama's 61 rows do not split in 2
+    model.config.save_pretrained(even)
+    common = dict(config=even, world_size=4, strategy="FULL_SHARD", precision="32-true", tensor_parallel_size=2)
+    model_lp, (lp,) = estimate_memory(**common, loss_parallel=True)
+    model_own, (own,) = estimate_memory(**common, chunked_loss=False)
+    model_chunked, _ = estimate_memory(**common)
+    head = (64, model.config.hidden_size)
+    assert own.params - lp.params == (sharded_numel(head, 2) - sharded_numel((32, head[1]), 2)) * 4
+    assert model_lp.activation_bytes == model_own.activation_bytes != model_chunked.activation_bytes
+    with pytest.raises(EstimateError, match=r"does not divide the vocabulary of model\.lm_head \(out_features=61\)"):
+        estimate_memory(config=tmp_path, world_size=4, tensor_parallel_size=2, loss_parallel=True)

@@ -19,6 +19,8 @@ Lightning (2.6.6):
   reuses (process group start, barrier, broadcast, ...; see the strategy);
 - ``_distributed_checkpoint_save``, ``_METADATA_FILENAME``, ``_is_sharded_checkpoint``: Lightning's sharded
   checkpoint layout, which ours keeps;
+- Fabric: ``_SubprocessScriptLauncher`` (Fabric's own, for ``FSDPPlusFabricStrategy``) and
+  ``_ParallelBackwardSyncControl`` (``fabric.no_backward_sync``: ``requires_gradient_sync`` on every FSDP2 unit);
 - ``Trainer.fit``/``validate``/... assign ``strategy._lightning_module`` after ``_maybe_unwrap_optimized`` and
   before ``_verify_strategy_supports_compile``: ``FSDPPlusStrategy``'s setter takes a compiled module's dynamo
   context there and undoes the whole-module compilation (``to_uncompiled``), so that units are compiled instead
@@ -49,7 +51,10 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.strategies.fsdp import _distributed_checkpoint_save, _is_sharded_checkpoint
-from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
+from lightning.fabric.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher,
+)
+from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME, _ParallelBackwardSyncControl
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -61,7 +66,9 @@ from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnect
 __all__ = [
     "_METADATA_FILENAME",
     "_DtypeContextManager",
+    "_FabricSubprocessScriptLauncher",
     "_MultiProcessingLauncher",
+    "_ParallelBackwardSyncControl",
     "_SignalConnector",
     "_SubprocessScriptLauncher",
     "_WorkerOutput",

@@ -412,3 +412,71 @@ def check_optimizer_count(*, configured: int, saved: int) -> None:
             " Please resume training with the same number of optimizers or edit the checkpoint manually to remove"
             " states."
         )
+
+
+# ------------------------------------------------------------------ what the strategies (Trainer and Fabric) share
+def model_state(model: nn.Module, *, full: bool, trainable_only: bool) -> dict[str, Any]:
+    """The model's state dict in our format: this rank's shards, or (``full``) the whole state on CPU, rank 0."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    with torch.inference_mode(False):
+        return get_model_state_dict(model, options=state_dict_options(full=full, trainable_only=trainable_only))
+
+
+def optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool, trainable_only: bool
+) -> dict[str, Any]:
+    """This rank's optimizer state; ``full``: the whole state on rank 0 (empty elsewhere) keyed by parameter ids
+    like ``torch.optim.Optimizer.state_dict``, so DDP or one device can resume it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = state_dict_options(full=full, trainable_only=trainable_only)
+    with torch.inference_mode(False):
+        state = get_optimizer_state_dict(model, getattr(optimizer, "_optimizer", optimizer), options=options)
+    return optimizer_state_by_ids(state) if full else state
+
+
+def optimizer_param_names(model: nn.Module, optimizer: torch.optim.Optimizer, *, trainable_only: bool) -> list[str]:
+    """The parameter names of ``optimizer``'s groups, in order (what a state keyed by ids is re-keyed by)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    named = get_optimizer_state_dict(model, optimizer,
+                                     options=state_dict_options(full=False, trainable_only=trainable_only))  # fmt: skip
+    return [name for group in named["param_groups"] for name in group["params"]]
+
+
+def load_into(
+    path: Path,
+    *,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    strict: bool,
+    trainable_only: bool,
+) -> dict[str, Any]:
+    """Load a sharded or full checkpoint into ``model`` and ``optimizers`` (resharding as needed); returns what
+    else it holds (the metadata, or the full file less its model and optimizer states). ``trainable_only``: whether
+    the running model saves trainable parameters only (how a full optimizer state's ids map to names)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if is_sharded_checkpoint(path):
+        if optimizers:
+            check_optimizer_count(configured=len(optimizers), saved=saved_optimizer_count(path))
+        return load_sharded(path, model=model, optimizers=optimizers, strict=strict)
+    checkpoint = load_full(path)
+    saved_trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
+    options = StateDictOptions(full_state_dict=True, strict=strict and not saved_trainable_only)
+    set_model_state_dict(model, checkpoint.pop("state_dict"), options=options)
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    if optimizers:
+        check_optimizer_count(configured=len(optimizers), saved=len(optimizer_states))
+    for optimizer, state in zip(optimizers, optimizer_states, strict=True):
+        # DDP and single-device checkpoints key the state by parameter id
+        names = optimizer_param_names(model, optimizer, trainable_only=trainable_only)
+        state = optimizer_state_by_names(state, names=names)
+        if not load_param_groups_only(optimizer, state):  # plain SGD: no state tensors, which torch requires
+            set_optimizer_state_dict(model, optimizer, state, options=options)
+    return checkpoint

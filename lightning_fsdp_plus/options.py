@@ -412,6 +412,21 @@ def auto_only_given(values: Mapping[str, Any]) -> list[str]:
     return given
 
 
+def strategy_options(
+    sharding_strategy: Any, *, options: FSDPPlusOptions | None, kwargs: Mapping[str, Any]
+) -> FSDPPlusOptions:
+    """The options a strategy's constructor arguments make (the Trainer's and Fabric's alike): ``kwargs`` (option
+    names or Lightning's ``FSDPStrategy`` aliases, :mod:`~lightning_fsdp_plus.compat`) over ``options``, whose
+    ``sharding_strategy`` holds unless ``sharding_strategy`` names another; a silently ignored combination is
+    refused (:func:`refuse_ignored`)."""
+    given = compat.options_kwargs(kwargs, fields=[f.name for f in dataclasses.fields(FSDPPlusOptions)])
+    if options is None or sharding_strategy != "FULL_SHARD":
+        given["sharding_strategy"] = sharding_strategy
+    opts = options.replace(**given) if options is not None else FSDPPlusOptions(**given)
+    refuse_ignored(opts)
+    return opts
+
+
 def refuse_ignored(options: FSDPPlusOptions) -> None:
     """Raise a ValueError for a combination in which an option would be silently ignored: an auto-plan option
     (:data:`AUTO_ONLY`) beside a pinned ``sharding_strategy``. Called where users hand options in (the strategy, the

@@ -214,12 +214,35 @@ def materialize_model(
     (Lightning's helper)."""
     load_pretrained_weights(model, device=device, report=report)
     if param_init_fn is None:
+        without_reset = _meta_modules_without_reset(model)
         _materialize_distributed_module(model, device)
+        _init_transformers_modules(model, without_reset)
         return
     for module in model.modules():
         own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         if any(t.is_meta for t in own):
             param_init_fn(module)
+
+
+def _meta_modules_without_reset(model: nn.Module) -> list[nn.Module]:
+    """Modules with meta tensors of their own and no ``reset_parameters``: ``to_empty`` leaves them garbage."""
+    return [m for m in model.modules() if not callable(getattr(m, "reset_parameters", None))
+            and any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]  # fmt: skip
+
+
+def _init_transformers_modules(model: nn.Module, modules: list[nn.Module]) -> None:
+    """Initialize ``modules`` that belong to a transformers model with its own ``_init_weights`` (a model built on
+    the meta device, e.g. under ``fabric.init_module(empty_init=True)``: its rotary ``inv_freq`` buffer and RMSNorm
+    weights have no ``reset_parameters``; left to ``to_empty`` they are garbage and the first loss is NaN)."""
+    if not modules:
+        return
+    owners = {id(m): owner for owner in model.modules() if callable(getattr(owner, "_init_weights", None))
+              and hasattr(owner, "config") for m in owner.modules()}  # fmt: skip
+    with torch.no_grad():
+        for module in modules:
+            owner = owners.get(id(module))
+            if owner is not None:
+                owner._init_weights(module)
 
 
 def build_sharded_model(
@@ -232,14 +255,14 @@ def build_sharded_model(
     device: torch.device,
     report: Callable[[str], Any] = lambda _: None,
 ) -> tuple[nn.Module, ShardingPlan]:
-    """Every stage in order; ``precision`` is the precision plugin (its ``convert_module`` runs after int8 so that
+    """Every stage in order; ``precision`` is the precision plugin (its ``convert_now`` runs after int8 so that
     quantization reads the float weights). Returns the (converted) model and the plan it was sharded by."""
     prepare_model(model, options)
     converted = quantize_model(model, options)
     if converted:
         kind = "int8 (LLM.int8)" if options.quantize_base == "int8" else f"4-bit {options.quantize_base}"
         report(f"fsdp_plus: {len(converted)} frozen linear layers now {kind}")
-    model = precision.convert_module(model)
+    model = precision.convert_now(model)
     if options.sync_module_states:
         sync_module_states(model, device=device)
     if options.tensor_parallel_size > 1:  # torchtitan's order: tensor parallel, checkpointing, compile, FSDP
@@ -255,3 +278,15 @@ def build_sharded_model(
     shards_on = torch.device("cpu") if plan.cpu_offload else device
     materialize_model(model, device=shards_on, param_init_fn=options.param_init_fn, report=report)
     return model, plan
+
+
+def user_sharding_plan(model: nn.Module, options: FSDPPlusOptions, *, layout: MeshLayout) -> ShardingPlan:
+    """The plan that describes a model the user sharded (``fully_shard`` in ``configure_model`` or before
+    ``fabric.setup``): its ``FSDPModule`` units as they are, for the table and ``strategy.sharding_plan``."""
+    return build_sharding_plan(
+        model,
+        unit_paths=[n for n, m in model.named_modules() if n and isinstance(m, FSDPModule)],
+        sharding_strategy=options.sharding_strategy,
+        mesh=layout,
+        keep_tied_together=False,  # describes the units the user made
+    )

@@ -191,10 +191,20 @@ class FSDPPlusPrecision(FSDPPrecision):
         """The dtype forward math runs in."""
         return compute_dtype(self.precision)
 
+    defer_conversion: bool = False
+    """Set by the Fabric strategy: ``convert_module`` (which ``fabric.setup`` calls before the strategy sees the
+    model) leaves the model as it is, and the pipeline converts it with :meth:`convert_now` after quantization, as
+    under the Trainer (an int8 or 4-bit base is quantized from the float weights, not from bf16-cast ones)."""
+
     @override
     def convert_module(self, module: Module) -> Module:
-        """``-true`` presets store the parameters in their dtype: :func:`cast_floating` (complex and integer tensors,
-        e.g. a complex64 RoPE table or an int8 base, keep theirs)."""
+        """``-true`` presets store the parameters in their dtype (:meth:`convert_now`), unless
+        :attr:`defer_conversion`."""
+        return module if self.defer_conversion else self.convert_now(module)
+
+    def convert_now(self, module: Module) -> Module:
+        """``-true`` presets: :func:`cast_floating` (complex and integer tensors, e.g. a complex64 RoPE table or an
+        int8 base, keep their dtype); other presets leave the module as it is."""
         if "true" in self.precision:
             return cast_floating(module, dtype=self._desired_input_dtype)
         return module
@@ -247,6 +257,27 @@ class FSDPPlusPrecision(FSDPPrecision):
         if precision == "16-mixed" and getattr(plugin, "scaler", None) is not None:
             rank_zero_warn("fsdp_plus replaces the given gradient scaler with a ShardedGradScaler")
         return cls(precision, device=device or getattr(plugin, "device", None))  # type: ignore[arg-type]
+
+
+def from_fabric(plugin: Any, *, device: str | None = None) -> FSDPPlusPrecision:
+    """Convert the plugin Fabric built from ``Fabric(precision=...)`` into ours (conversion deferred to the
+    pipeline: :attr:`FSDPPlusPrecision.defer_conversion`)."""
+    from lightning.fabric.plugins.precision import FSDPPrecision as FabricFSDP
+    from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+
+    if isinstance(plugin, FSDPPlusPrecision):
+        converted = plugin
+    elif type(plugin) in (FabricPrecision, MixedPrecision, HalfPrecision, FabricFSDP):
+        converted = FSDPPlusPrecision(str(plugin.precision), device=device or getattr(plugin, "device", None))  # type: ignore[arg-type]
+    else:
+        raise ValueError(
+            f"precision plugin {type(plugin).__name__} is not supported by fsdp_plus; use Fabric(precision=...) with"
+            f" one of {', '.join(PRECISIONS)}, and quantize_base='int8'|'nf4'|'fp4' for a quantized base (fsdp_plus"
+            " quantizes the frozen layers itself, and shards them)"
+        )
+    converted.defer_conversion = True
+    return converted
 
 
 def _LIGHTNING_PLUGINS() -> tuple[type, ...]:

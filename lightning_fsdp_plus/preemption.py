@@ -49,10 +49,11 @@ def exit_code(signum: int) -> int:
     return 128 + int(signum)
 
 
-def requeue_signal(trainer: pl.Trainer) -> int:
-    """The signal that asks for a requeue: SLURM's ``requeue_signal`` (Lightning's ``SLURMEnvironment``), else
-    SIGUSR1."""
-    environment = trainer._accelerator_connector.cluster_environment
+def requeue_signal(trainer: pl.Trainer | None, *, environment: Any = None) -> int:
+    """The signal that asks for a requeue: SLURM's ``requeue_signal`` (Lightning's ``SLURMEnvironment``: the
+    trainer's, else ``environment``), else SIGUSR1."""
+    if trainer is not None:
+        environment = trainer._accelerator_connector.cluster_environment
     if isinstance(environment, SLURMEnvironment) and environment.requeue_signal is not None:
         return int(environment.requeue_signal)
     return int(signal.SIGUSR1)
@@ -73,13 +74,16 @@ class PreemptionSignals(_SignalConnector):
     SIGINT raises ``KeyboardInterrupt`` at once (Ctrl+C twice: abort without saving).
 
     Args:
-        trainer: the trainer whose stage this covers.
+        trainer: the trainer whose stage this covers (``None`` under Fabric: the loop asks the strategy).
         group: the process group of the agreement (``None`` in a single process).
+        environment: without a trainer, the cluster environment (SLURM's requeue signal).
     """
 
-    def __init__(self, trainer: pl.Trainer, *, group: ProcessGroup | None) -> None:
-        super().__init__(trainer)
+    def __init__(self, trainer: pl.Trainer | None, *, group: ProcessGroup | None, environment: Any = None) -> None:
+        super().__init__(trainer)  # type: ignore[arg-type]
         self.group = group
+        self.environment = environment
+        """Fabric's cluster environment when there is no trainer (its SLURM requeue signal)."""
         self.signum = 0
         """The first signal this rank received (0: none); written by the handler only."""
         self.agreed = 0
@@ -93,7 +97,7 @@ class PreemptionSignals(_SignalConnector):
 
     def signals(self) -> tuple[int, ...]:
         """The signals handled: :data:`STOP_SIGNALS` and the requeue signal."""
-        return tuple(dict.fromkeys((*STOP_SIGNALS, requeue_signal(self.trainer))))
+        return tuple(dict.fromkeys((*STOP_SIGNALS, requeue_signal(self.trainer, environment=self.environment))))
 
     def register_signal_handlers(self) -> None:
         """Install the flag-only handler (once per stage: Lightning calls this again after the strategy's setup)."""

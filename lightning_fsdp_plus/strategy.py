@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import inspect
 import json
@@ -22,8 +21,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from typing_extensions import override
 
-from lightning_fsdp_plus import compat
-from lightning_fsdp_plus._dist import shutdown
 from lightning_fsdp_plus._private import (
     _init_dist_connection,
     _optimizers_to_device,
@@ -32,26 +29,14 @@ from lightning_fsdp_plus._private import (
 )
 from lightning_fsdp_plus.autoplan.choose import AutoPlan
 from lightning_fsdp_plus.autoplan.resolve import decide, planning_options, predict_for_module
-from lightning_fsdp_plus.checkpoint import (
-    check_optimizer_count,
-    is_sharded_checkpoint,
-    load_full,
-    load_param_groups_only,
-    load_sharded,
-    optimizer_state_by_ids,
-    optimizer_state_by_names,
-    save_full,
-    save_sharded,
-    saved_optimizer_count,
-    state_dict_options,
-)
+from lightning_fsdp_plus.checkpoint import load_into, model_state, optimizer_state, save_full, save_sharded
 from lightning_fsdp_plus.compile import from_compiled_module
-from lightning_fsdp_plus.cpu_threads import restore_threads, share_cores
-from lightning_fsdp_plus.failures import announce_failure, start_failure_watch
+from lightning_fsdp_plus.cpu_threads import restore_threads
+from lightning_fsdp_plus.failures import announce_failure
+from lightning_fsdp_plus.front import OptionsFront
 from lightning_fsdp_plus.launchers import FSDPPlusSpawnLauncher
 from lightning_fsdp_plus.lora import find_peft_model
-from lightning_fsdp_plus.memory.allocator import report_allocator_once
-from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring, refuse_ignored
+from lightning_fsdp_plus.options import FSDPPlusOptions, arguments_docstring, strategy_options
 from lightning_fsdp_plus.pipeline import (
     batch_norms,
     build_sharded_model,
@@ -60,8 +45,9 @@ from lightning_fsdp_plus.pipeline import (
     plan_model,
     prepare_model,
     sync_batch_norm,
+    user_sharding_plan,
 )
-from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, ShardingStrategy, build_sharding_plan, node_boundaries
+from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan, ShardingStrategy, node_boundaries
 from lightning_fsdp_plus.precision import FSDPPlusPrecision, check_precision
 from lightning_fsdp_plus.preemption import (
     PreemptionSignals,
@@ -70,6 +56,7 @@ from lightning_fsdp_plus.preemption import (
     install,
     resolve_on_preempt,
 )
+from lightning_fsdp_plus.process import start_rank_services
 from lightning_fsdp_plus.sharding import build_mesh, is_sharded
 from lightning_fsdp_plus.slurm import check_slurm_allocation
 from lightning_fsdp_plus.tensor_parallel import local_loss, loss_parallel_context
@@ -78,11 +65,10 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.distributed.device_mesh import DeviceMesh
 
-OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
 """The keyword arguments that are options (everything ``FSDPPlusOptions`` declares)."""
 
 
-class FSDPPlusStrategy(ParallelStrategy):
+class FSDPPlusStrategy(OptionsFront, ParallelStrategy):
     """Fully Sharded Data Parallel on FSDP2 (``fully_shard``) with no hand-written sharding code.
 
     Runs on CPU (gloo) and CUDA (nccl). The model is sharded in ``setup`` by the preparation pipeline
@@ -114,11 +100,7 @@ class FSDPPlusStrategy(ParallelStrategy):
         device_id: int | torch.device | None = None,
         **kwargs: Any,
     ) -> None:
-        fields = compat.options_kwargs(kwargs, fields=OPTION_FIELDS)
-        if options is None or sharding_strategy != "FULL_SHARD":  # with options=: theirs unless another is named
-            fields["sharding_strategy"] = sharding_strategy
-        opts = options.replace(**fields) if options is not None else FSDPPlusOptions(**fields)
-        refuse_ignored(opts)
+        opts = strategy_options(sharding_strategy, options=options, kwargs=kwargs)
         super().__init__()
         self.options = opts
         self._process_group_backend: str | None = opts.process_group_backend
@@ -138,13 +120,6 @@ class FSDPPlusStrategy(ParallelStrategy):
         self._agreement: tuple[Any, Any] | None = None  # (default group, agreement group) it was built for
         self._steps_at_start = 0
         self._on_preempt = "exit"
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached when normal lookup fails: option fields read as attributes
-        options = self.__dict__.get("options")
-        if options is not None and name in OPTION_FIELDS:
-            return getattr(options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # ------------------------------------------------------------------ shared with ModelParallelStrategy
     # Process, device and collective handling is ModelParallelStrategy's, reused as is (these members do not
@@ -244,13 +219,6 @@ class FSDPPlusStrategy(ParallelStrategy):
         if self._precision_plugin is not None and options is not None:
             self._precision_plugin.log_grad_norm = options.log_grad_norm
 
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # the ranks of one tensor-parallel group (neighbours: the innermost mesh dimension) see the same batches
-        tensor = self.mesh_layout.tensor
-        return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}
-
     # ------------------------------------------------------------------ early validation (no process group yet)
     @override
     def _configure_launcher(self) -> None:
@@ -341,14 +309,7 @@ class FSDPPlusStrategy(ParallelStrategy):
             # signals only set a flag from now until the stage's teardown (preemption.py); Lightning's own
             # handler would issue a collective from inside the signal handler
             self._preemption = install(trainer, group=self._agreement_group())
-        # free the groups at exit while the interpreter is still whole (see _dist.shutdown); Lightning only
-        # destroys nccl groups at exit, and a gloo group left to interpreter teardown can abort the process
-        atexit.unregister(shutdown)  # once per process, however many fits
-        atexit.register(shutdown)
-        start_failure_watch()  # one rank's error ends every rank within seconds (failures.py)
-        if self.root_device.type == "cpu":
-            report_allocator_once()  # glibc's malloc can hold 2-3x a rank's tensors on CPU (memory/allocator.py)
-            share_cores(local_ranks=self.num_processes)  # N ranks x every core each thrash (cpu_threads.py)
+        start_rank_services(device_type=self.root_device.type, local_ranks=self.num_processes)
         self._device_mesh = build_mesh(
             layout=self.mesh_layout, device_type=self.root_device.type, given=self.options.device_mesh
         )
@@ -411,13 +372,7 @@ class FSDPPlusStrategy(ParallelStrategy):
                     "fsdp_plus: the model is already sharded (fully_shard in configure_model); using it as is."
                 )
                 self._check_layer_sync_before_user_sharding()
-                self._sharding_plan = build_sharding_plan(
-                    self.model,
-                    unit_paths=[n for n, m in self.model.named_modules() if n and isinstance(m, FSDPModule)],
-                    sharding_strategy=self.options.sharding_strategy,
-                    mesh=self.mesh_layout,
-                    keep_tied_together=False,  # describes the units the user made
-                )
+                self._sharding_plan = user_sharding_plan(self.model, self.options, layout=self.mesh_layout)
             materialize_model(self.model, device=self.root_device, param_init_fn=self.options.param_init_fn,
                               report=rank_zero_info)  # fmt: skip
             if user_sharded:  # as ModelParallelStrategy does: "-true" precisions store the parameters in their dtype
@@ -472,9 +427,6 @@ class FSDPPlusStrategy(ParallelStrategy):
         assert self.model is not None
         return any(not p.requires_grad for p in self.model.parameters())
 
-    def _state_options(self) -> Any:
-        return state_dict_options(full=self.options.state_dict_type == "full", trainable_only=self.trainable_only)
-
     def reshard(self) -> None:
         """Put every FSDP unit back in its sharded state (outside ``torch.inference_mode``).
 
@@ -506,32 +458,17 @@ class FSDPPlusStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         assert self.model is not None
         self.reshard()  # ModelCheckpoint saves in on_validation_end, before the strategy's hook
-        with torch.inference_mode(False):
-            return get_model_state_dict(self.model, options=self._state_options())
+        return model_state(self.model, full=self.options.state_dict_type == "full", trainable_only=self.trainable_only)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state; with ``state_dict_type="full"`` the whole state on rank 0 (empty elsewhere)
         keyed by parameter ids like ``torch.optim.Optimizer.state_dict``, so DDP or one device can resume it."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
         assert self.model is not None
-        with torch.inference_mode(False):
-            state = get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer),
-                                             options=self._state_options())  # fmt: skip
-        return optimizer_state_by_ids(state) if self.options.state_dict_type == "full" else state
-
-    def _optimizer_param_names(self, optimizer: torch.optim.Optimizer) -> list[str]:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        assert self.model is not None
-        named = get_optimizer_state_dict(self.model, optimizer, options=state_dict_options(full=False,
-                                         trainable_only=self.trainable_only))  # fmt: skip
-        return [name for group in named["param_groups"] for name in group["params"]]
+        return optimizer_state(self.model, optimizer, full=self.options.state_dict_type == "full",
+                               trainable_only=self.trainable_only)  # fmt: skip
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -572,34 +509,11 @@ class FSDPPlusStrategy(ParallelStrategy):
             return self._load_checkpoint(path)
 
     def _load_checkpoint(self, path: Path) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         assert self.model is not None and self.lightning_module is not None
         # optimizer states are restored when fitting (Lightning's rule); test/predict after fit keep fit's optimizers
         optimizers = self.optimizers if self.lightning_module.trainer.state.fn == TrainerFn.FITTING else []
-        if is_sharded_checkpoint(path):
-            if optimizers:
-                check_optimizer_count(configured=len(optimizers), saved=saved_optimizer_count(path))
-            return load_sharded(path, model=self.model, optimizers=optimizers,
-                                strict=self.lightning_module.strict_loading)  # fmt: skip
-        checkpoint = load_full(path)
-        trainable_only = checkpoint.get("fsdp_plus", {}).get("trainable_only", False)
-        strict = self.lightning_module.strict_loading and not trainable_only
-        options = StateDictOptions(full_state_dict=True, strict=strict)
-        set_model_state_dict(self.model, checkpoint.pop("state_dict"), options=options)
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        if optimizers:
-            check_optimizer_count(configured=len(optimizers), saved=len(optimizer_states))
-        for optimizer, state in zip(optimizers, optimizer_states, strict=True):
-            # DDP and single-device checkpoints key the state by parameter id
-            state = optimizer_state_by_names(state, names=self._optimizer_param_names(optimizer))
-            if not load_param_groups_only(optimizer, state):  # plain SGD: no state tensors, which torch requires
-                set_optimizer_state_dict(self.model, optimizer, state, options=options)
-        return checkpoint
+        return load_into(path, model=self.model, optimizers=optimizers, strict=self.lightning_module.strict_loading,
+                         trainable_only=self.trainable_only)  # fmt: skip
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -696,10 +610,6 @@ class FSDPPlusStrategy(ParallelStrategy):
         if self._device_mesh is None:
             raise RuntimeError("The device mesh exists once the processes have initialized (setup_environment).")
         return self._device_mesh
-
-    def __repr__(self) -> str:
-        strategy = self.options.sharding_strategy
-        return f"{type(self).__name__}(sharding_strategy={getattr(strategy, 'value', strategy)})"
 
 
 def _init_signature() -> inspect.Signature:

@@ -22,7 +22,7 @@ LONGEST_FIRST = (
     *("slurm", "test_strategy_distributed", "test_preemption_distributed", "test_lora_experiments", "test_train_app"),
     *("test_loading_distributed", "test_activation_checkpointing", "test_integration", "test_run_smoke"),
     *("test_compile", "test_failures_distributed", "test_checkpoint_distributed", "test_tensor_parallel_distributed"),
-    *("test_tensor_parallel_app_distributed", "test_lightning_tp_example_distributed"),
+    *("test_tensor_parallel_app_distributed", "test_lightning_tp_example_distributed", "test_fabric_distributed"),
 )
 """Work units that start first (their names or node ids contain one of these, in this order): the shared launches
 and the longest single tests, so that no worker starts a long unit while the others have nothing left; the short

@@ -42,6 +42,7 @@ def test_the_demo_installs_the_runtime_and_tcmalloc_only_and_the_tests_add_their
     test = plan("test", venv=tmp_path / "fresh", path=no_browser_path)
     out = test.stdout + test.stderr
     assert test.returncode == 0 and "lightning-fsdp-plus[dev] (editable)" in out and "chromium-headless-shell" in out
+    assert "litgpt (without its dependencies)" in out and "litgpt" not in run.stdout + run.stderr
     assert not (tmp_path / "fresh").exists()  # a dry run installs nothing
     bad = plan("docs", venv=tmp_path / "fresh", path=no_browser_path)
     assert bad.returncode == 2 and "use='docs' is not one of run, test" in bad.stderr

@@ -232,6 +232,14 @@ class FSDPPlusFabricStrategy(OptionsFront, ParallelStrategy):
         module = self.setup_module(module)
         sharded = dict(module.named_parameters(remove_duplicate=False))
         for optimizer in optimizers:
+            lost = [names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"]
+                    if names.get(id(p)) not in sharded]  # fmt: skip
+            if lost:
+                raise ValueError(
+                    f"fabric.setup(model, optimizer): the optimizer's parameter {lost[0]!r} is not in the set-up model"
+                    " (LoRA or quantization from the strategy's options renamed or replaced it): create the optimizer"
+                    " after model = fabric.setup_module(model), over its trainable parameters"
+                )
             for group in optimizer.param_groups:
                 group["params"] = [sharded[names[id(p)]] for p in group["params"]]
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler

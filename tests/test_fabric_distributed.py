@@ -80,6 +80,13 @@ def test_a_model_built_on_meta_and_a_streamed_pretrained_model_are_set_up_real(f
     assert streamed["keys_equal"] and streamed["param_diff"] == 0.0, streamed
 
 
+def test_an_optimizer_made_before_the_strategys_lora_is_refused_with_what_to_do(fabric_results):
+    _, results = fabric_results
+    error = results["early_optimizer"]["error"]
+    assert error is not None and "is not in the set-up model (LoRA or quantization" in error, error
+    assert "create the optimizer after model = fabric.setup_module(model)" in error
+
+
 def _fabric_run(tmp_path, scenario: str) -> tuple[int, str, float]:
     started = time.time()
     proc = subprocess.run([sys.executable, str(RUNS), "--scenario", scenario, "--out", str(tmp_path)], cwd=REPO,

@@ -22,6 +22,8 @@ Cases (rank 0 writes ``DIR/results.json``):
   real and finite, training runs.
 - ``streamed``: ``deferred_pretrained(DIR/llama)``: each rank reads its shards; the full state equals
   ``from_pretrained``'s.
+- ``early_optimizer``: ``fabric.setup(model, optimizer)`` with the strategy's LoRA (which renames every parameter):
+  the error it raises.
 """
 
 from __future__ import annotations
@@ -243,6 +245,17 @@ def streamed(checkpoints: Path) -> dict:
             "keys_equal": sorted(loaded) == sorted(expected)}  # fmt: skip
 
 
+def setup_with_lora_refuses_an_early_optimizer() -> dict:
+    """``fabric.setup(model, optimizer)`` when the strategy's LoRA renames the parameters: a clear error."""
+    fabric = fabric_for("32-true", lora=LORA)
+    model = llama()
+    try:
+        fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -257,6 +270,7 @@ def main() -> None:
         **{f"checkpoint/{fmt}": (checkpoint, (fmt, args.out)) for fmt in ("sharded", "full")},
         "meta_init": (meta_init, ()),
         "streamed": (streamed, (args.checkpoints,)),
+        "early_optimizer": (setup_with_lora_refuses_an_early_optimizer, ()),
     }  # fmt: skip
     results = {}
     for name, (fn, fn_args) in cases.items():

@@ -20,9 +20,11 @@ OVERRIDES = ("trainer.max_steps=20", "checkpoint.every_n_train_steps=5", "genera
 """20 steps, a checkpoint every 5: a signal lands between the first checkpoint and the end, 15 steps to spare (the
 test sends it when the first checkpoint appears; the ranks stop one step later)."""
 
-EPOCH2 = ("trainer.max_steps=24", "checkpoint.every_n_train_steps=20", *OVERRIDES[2:])
+EPOCH2 = ("trainer.max_steps=32", "checkpoint.every_n_train_steps=20", *OVERRIDES[2:])
 """The medical experiment is 19 steps an epoch (its 360 examples packed into 149 rows, a global batch of 8 rows, the
-last one filled up): the first checkpoint, and the signal sent when it appears, fall inside the second epoch."""
+last one filled up): the first checkpoint, and the signal sent when it appears, fall inside the second epoch. 12
+steps after that checkpoint, not 4: on a loaded machine the signal once arrived after the last step (step 24), and
+the requeued attempt had nothing left to train."""
 
 pytestmark = pytest.mark.usefixtures("slurm")
 

@@ -415,6 +415,21 @@ def check_optimizer_count(*, configured: int, saved: int) -> None:
 
 
 # ------------------------------------------------------------------ what the strategies (Trainer and Fabric) share
+def saves_trainable_only(model: nn.Module, *, option: bool | None) -> bool:
+    """Whether checkpoints leave frozen parameters out: the ``save_trainable_only`` option, or (None) whenever any
+    parameter of ``model`` is frozen."""
+    if option is not None:
+        return option
+    return any(not p.requires_grad for p in model.parameters())
+
+
+def checkpoint_settings(*, options: Any, trainable_only: bool, world_size: int) -> dict[str, Any]:
+    """What a checkpoint records about how it was saved (its ``"fsdp_plus"`` entry; loading reads
+    ``trainable_only``)."""
+    return {"state_dict_type": options.state_dict_type, "trainable_only": trainable_only,
+            "sharding_strategy": options.sharding_strategy.value, "world_size": world_size}  # fmt: skip
+
+
 def model_state(model: nn.Module, *, full: bool, trainable_only: bool) -> dict[str, Any]:
     """The model's state dict in our format: this rank's shards, or (``full``) the whole state on CPU, rank 0."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict

@@ -21,16 +21,17 @@ from lightning.fabric.strategies import ModelParallelStrategy, ParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.optim import Optimizer
 
 from lightning_fsdp_plus._private import _FabricSubprocessScriptLauncher, _ParallelBackwardSyncControl
 from lightning_fsdp_plus.checkpoint import (
+    checkpoint_settings,
     load_into,
     model_state,
     optimizer_state,
     save_full,
     save_sharded,
+    saves_trainable_only,
 )
 from lightning_fsdp_plus.clipping import clip_grad_norm_across_shards, clip_grad_value_across_shards
 from lightning_fsdp_plus.cpu_threads import restore_threads
@@ -42,6 +43,7 @@ from lightning_fsdp_plus.pipeline import (
     check_tensor_parallel,
     materialize_model,
     prepare_model,
+    refuse_fsdp1,
     user_sharding_plan,
 )
 from lightning_fsdp_plus.plan import MeshLayout, ShardingPlan
@@ -200,11 +202,7 @@ class FSDPPlusFabricStrategy(OptionsFront, ParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Run the preparation pipeline and shard ``module`` by its plan (a module the user sharded with
         ``fully_shard`` is used as it is, its meta tensors made real)."""
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            raise TypeError(
-                "Found modules wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1). fsdp_plus"
-                " shards with FSDP2 (`fully_shard`): remove the FSDP1 wrapping, auto_wrap_policy chooses the units"
-            )
+        refuse_fsdp1(module)
         if is_sharded(module):
             rank_zero_info("fsdp_plus: the model is already sharded (fully_shard before setup); using it as is.")
             self._sharding_plan = user_sharding_plan(module, self.options, layout=self.mesh_layout)
@@ -309,12 +307,11 @@ class FSDPPlusFabricStrategy(OptionsFront, ParallelStrategy):
         key, module = _the_module(state)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
         full = self.options.state_dict_type == "full"
-        trainable_only = self._trainable_only(module)
+        trainable_only = saves_trainable_only(module, option=self.options.save_trainable_only)
         rest = {k: v for k, v in state.items() if k != key and k not in optimizers}
         metadata = {**rest, "fabric": {"module": key, "optimizers": list(optimizers)},
-                    "fsdp_plus": {"state_dict_type": self.options.state_dict_type, "trainable_only": trainable_only,
-                                  "sharding_strategy": self.options.sharding_strategy.value,
-                                  "world_size": self.world_size}}  # fmt: skip
+                    "fsdp_plus": checkpoint_settings(options=self.options, trainable_only=trainable_only,
+                                                     world_size=self.world_size)}  # fmt: skip
         model = model_state(module, full=full, trainable_only=trainable_only)
         optimizer_states = [optimizer_state(module, o, full=full, trainable_only=trainable_only)
                             for o in optimizers.values()]  # fmt: skip
@@ -340,9 +337,10 @@ class FSDPPlusFabricStrategy(OptionsFront, ParallelStrategy):
                                       " model, 'optimizer': optimizer})")  # fmt: skip
         key, module = _the_module(state)
         optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+        trainable_only = saves_trainable_only(module, option=self.options.save_trainable_only)
         with torch.inference_mode(False):
             rest = load_into(path, model=module, optimizers=list(optimizers.values()), strict=strict,
-                             trainable_only=self._trainable_only(module))  # fmt: skip
+                             trainable_only=trainable_only)  # fmt: skip
         for ours in ("fabric", "fsdp_plus", "fsdp_plus_format"):
             rest.pop(ours, None)
         for name in [k for k in state if k != key and k not in optimizers]:
@@ -351,11 +349,6 @@ class FSDPPlusFabricStrategy(OptionsFront, ParallelStrategy):
             elif strict:
                 raise KeyError(f"fabric.load: {name!r} is not in the checkpoint {path} (it holds {sorted(rest)})")
         return rest
-
-    def _trainable_only(self, module: nn.Module) -> bool:
-        if self.options.save_trainable_only is not None:
-            return self.options.save_trainable_only
-        return any(not p.requires_grad for p in module.parameters())
 
     # ------------------------------------------------------------------ preemption
     def stop_requested(self) -> int:

@@ -3,13 +3,12 @@ FSDPPlusOptions`: option fields read as attributes, the data-parallel sampler ar
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from lightning_fsdp_plus.options import FSDPPlusOptions
+from lightning_fsdp_plus.options import FSDPPlusOptions, option_fields
 from lightning_fsdp_plus.plan import MeshLayout
 
-OPTION_FIELDS = tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
+OPTION_FIELDS = option_fields()
 """Every option's name: what a strategy answers as an attribute."""
 
 

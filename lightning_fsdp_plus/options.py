@@ -412,6 +412,11 @@ def auto_only_given(values: Mapping[str, Any]) -> list[str]:
     return given
 
 
+def option_fields() -> tuple[str, ...]:
+    """Every option's name, in declaration order."""
+    return tuple(f.name for f in dataclasses.fields(FSDPPlusOptions))
+
+
 def strategy_options(
     sharding_strategy: Any, *, options: FSDPPlusOptions | None, kwargs: Mapping[str, Any]
 ) -> FSDPPlusOptions:
@@ -419,7 +424,7 @@ def strategy_options(
     names or Lightning's ``FSDPStrategy`` aliases, :mod:`~lightning_fsdp_plus.compat`) over ``options``, whose
     ``sharding_strategy`` holds unless ``sharding_strategy`` names another; a silently ignored combination is
     refused (:func:`refuse_ignored`)."""
-    given = compat.options_kwargs(kwargs, fields=[f.name for f in dataclasses.fields(FSDPPlusOptions)])
+    given = compat.options_kwargs(kwargs, fields=option_fields())
     if options is None or sharding_strategy != "FULL_SHARD":
         given["sharding_strategy"] = sharding_strategy
     opts = options.replace(**given) if options is not None else FSDPPlusOptions(**given)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
 from lightning_fsdp_plus._private import _materialize_distributed_module
 from lightning_fsdp_plus.compile import compile_spec_from
@@ -290,3 +290,13 @@ def user_sharding_plan(model: nn.Module, options: FSDPPlusOptions, *, layout: Me
         mesh=layout,
         keep_tied_together=False,  # describes the units the user made
     )
+
+
+def refuse_fsdp1(model: nn.Module) -> None:
+    """A model with FSDP1's ``FullyShardedDataParallel`` anywhere in it is refused (both strategies use FSDP2)."""
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+        raise TypeError(
+            "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1)."
+            " fsdp_plus shards with FSDP2 (`fully_shard`): remove the FSDP1 wrapping and let auto_wrap_policy"
+            " choose the units"
+        )

@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+from torch.distributed.fsdp import FSDPModule
 from typing_extensions import override
 
 from lightning_fsdp_plus._private import (
@@ -29,7 +29,15 @@ from lightning_fsdp_plus._private import (
 )
 from lightning_fsdp_plus.autoplan.choose import AutoPlan
 from lightning_fsdp_plus.autoplan.resolve import decide, planning_options, predict_for_module
-from lightning_fsdp_plus.checkpoint import load_into, model_state, optimizer_state, save_full, save_sharded
+from lightning_fsdp_plus.checkpoint import (
+    checkpoint_settings,
+    load_into,
+    model_state,
+    optimizer_state,
+    save_full,
+    save_sharded,
+    saves_trainable_only,
+)
 from lightning_fsdp_plus.compile import from_compiled_module
 from lightning_fsdp_plus.cpu_threads import restore_threads
 from lightning_fsdp_plus.failures import announce_failure
@@ -44,6 +52,7 @@ from lightning_fsdp_plus.pipeline import (
     materialize_model,
     plan_model,
     prepare_model,
+    refuse_fsdp1,
     sync_batch_norm,
     user_sharding_plan,
 )
@@ -354,12 +363,7 @@ class FSDPPlusStrategy(OptionsFront, ParallelStrategy):
         assert self.model is not None
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError(
-                "Found modules that are wrapped with `torch.distributed.fsdp.FullyShardedDataParallel` (FSDP1)."
-                " fsdp_plus shards with FSDP2 (`fully_shard`): remove the FSDP1 wrapping and let auto_wrap_policy"
-                " choose the units"
-            )
+        refuse_fsdp1(self.model)
         if is_sharded(self.model):
             if self.options.auto:
                 raise ValueError(
@@ -422,10 +426,8 @@ class FSDPPlusStrategy(OptionsFront, ParallelStrategy):
     @property
     def trainable_only(self) -> bool:
         """Whether checkpoints leave frozen parameters out (``save_trainable_only``, or auto)."""
-        if self.options.save_trainable_only is not None:
-            return self.options.save_trainable_only
         assert self.model is not None
-        return any(not p.requires_grad for p in self.model.parameters())
+        return saves_trainable_only(self.model, option=self.options.save_trainable_only)
 
     def reshard(self) -> None:
         """Put every FSDP unit back in its sharded state (outside ``torch.inference_mode``).
@@ -476,10 +478,7 @@ class FSDPPlusStrategy(OptionsFront, ParallelStrategy):
             raise TypeError("FSDPPlusStrategy.save_checkpoint does not take storage_options")
         path = Path(self.broadcast(str(filepath)))
         checkpoint["fsdp_plus"] = {
-            "state_dict_type": self.options.state_dict_type,
-            "trainable_only": self.trainable_only,
-            "sharding_strategy": self.options.sharding_strategy.value,
-            "world_size": self.world_size,
+            **checkpoint_settings(options=self.options, trainable_only=self.trainable_only, world_size=self.world_size),
             "peft": self._peft_info(),
         }
         if self.options.state_dict_type == "full":

@@ -178,7 +178,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if trainer.is_global_zero and pending_hpc_checkpoint(output_dir) is not None:
         retire_hpc_checkpoints(output_dir)  # else validate() below would load one over the trained weights
     trainer.strategy.barrier()
-    final = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
+    final = validation(trainer, module=module, datamodule=datamodule)
     adapter_dir = output_dir / "adapter"
     if cfg.export_adapter and find_peft_model(module) is not None:
         export_adapter(trainer.strategy.model, adapter_dir)  # every rank gathers, rank 0 writes
@@ -213,10 +213,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     }
     if trainer.is_global_zero:
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
-        before = f"{metrics['base_val_perplexity']:.2f} -> " if metrics["base_val_perplexity"] else ""
-        rank_zero_info(f"val perplexity {before}{metrics['val_perplexity']:.2f}; {throughput_line(metrics)};"
-                       f" metrics: {output_dir / METRICS_FILE}")  # fmt: skip
+        rank_zero_info(f"{perplexity_line(metrics)}; {throughput_line(metrics)}; metrics: {output_dir / METRICS_FILE}")
     return metrics
+
+
+def validation(trainer: Trainer, *, module: Any, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
+    """The metrics of one ``trainer.validate``, or ``{}`` when Lightning ran none (``trainer.limit_val_batches=0``)."""
+    results = trainer.validate(module, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+    return results[0] if results else {}
+
+
+def perplexity_line(metrics: dict[str, Any]) -> str:
+    """The console's validation report: the held-out perplexity (after the base's, when measured), or why none."""
+    final, base = metrics.get("val_perplexity"), metrics.get("base_val_perplexity")
+    if final is None:
+        return "val perplexity not measured (no validation batch: trainer.limit_val_batches=0?)"
+    return f"val perplexity {f'{base:.2f} -> ' if base is not None else ''}{final:.2f}"
 
 
 def throughput_line(metrics: dict[str, Any]) -> str:
@@ -229,7 +241,7 @@ def throughput_line(metrics: dict[str, Any]) -> str:
 
 def evaluate(cfg: DictConfig, *, trainer: Trainer, module: Any, datamodule: Any, output_dir: Path) -> dict[str, Any]:
     """``train=false``: validate the model (from ``ckpt_path`` when given) and write metrics.json (and generations)."""
-    final = trainer.validate(module, datamodule=datamodule, ckpt_path=cfg.ckpt_path, verbose=False)[0]
+    final = validation(trainer, module=module, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     if cfg.generate.num_prompts > 0 and hasattr(datamodule, "generation_prompts"):
         write_generations(trainer, datamodule, output_dir / GENERATIONS_FILE, cfg.generate)
     metrics = {
@@ -243,7 +255,7 @@ def evaluate(cfg: DictConfig, *, trainer: Trainer, module: Any, datamodule: Any,
     }
     if trainer.is_global_zero:
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
-        rank_zero_info(f"val perplexity {metrics['val_perplexity']:.2f}; metrics: {output_dir / METRICS_FILE}")
+        rank_zero_info(f"{perplexity_line(metrics)}; metrics: {output_dir / METRICS_FILE}")
     return metrics
 
 
@@ -255,8 +267,8 @@ def validate_base(trainer: Trainer, module: Any, datamodule: Any, output_dir: Pa
         how = "as the first attempt measured it" if kept else "not measured (the first attempt stopped before it)"
         rank_zero_info(f"fsdp_plus: requeued SLURM job: resuming from {resuming}; the base's validation: {how}")
         return kept or {}
-    base = trainer.validate(module, datamodule=datamodule, verbose=False)[0]
-    if trainer.is_global_zero:
+    base = validation(trainer, module=module, datamodule=datamodule)
+    if trainer.is_global_zero and base:
         write_base_metrics(output_dir, {k: v for k, v in base.items() if k in ("val_loss", "val_perplexity")})
     return base
 

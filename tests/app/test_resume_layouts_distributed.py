@@ -4,8 +4,10 @@ The medical LoRA experiment on an int8 base, on 48 of its examples packed into r
 27 rows of whole examples, made once from the seed): a global batch of 16 rows (2 ranks x 8), 2 steps an epoch, 9
 steps. The uninterrupted run keeps a checkpoint of every step; the resumed runs start from two of them in run
 directories of their own, as a job that died right after writing it would: inside epoch 2 (step 3) and at its end
-(step 4). Every resumed run sees the uninterrupted run's rows in the same global batches; on 2 ranks it ends bit for
-bit where the uninterrupted run ends, on 1 rank (accumulating 2) and on 4 (micro-batch 4) within float rounding.
+(step 4). Every resumed run sees the uninterrupted run's rows in the same global batches; on 2 ranks (from step 3) it
+ends bit for bit where the uninterrupted run ends, on 1 rank (accumulating 2) and on 4 (micro-batch 4), from step 4,
+within float rounding. (The epoch boundary on 2 ranks is not a case of its own: the 1- and 4-rank resumes from it
+check its global batches exactly, and the same-world resume checks bit-exactness; 23 s of the suite.)
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def uninterrupted(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize(
     ("step", "devices", "micro", "exact"),
-    [(4, 2, 8, True), (3, 2, 8, True), (4, 1, 8, False), (4, 4, 4, False)],
-    ids=["epoch-boundary-same", "epoch2-same", "epoch-boundary-on-1-rank", "epoch-boundary-on-4-ranks"],
+    [(3, 2, 8, True), (4, 1, 8, False), (4, 4, 4, False)],
+    ids=["epoch2-same", "epoch-boundary-on-1-rank", "epoch-boundary-on-4-ranks"],
 )
 def test_a_resume_sees_the_same_global_batches_and_ends_where_the_uninterrupted_run_ends(
     uninterrupted, tmp_path, step, devices, micro, exact

@@ -146,14 +146,6 @@ class FSDPPlusFabricStrategy(OptionsFront, ParallelStrategy):
 
     # ------------------------------------------------------------------ layout and launch
     @property
-    def mesh_layout(self) -> MeshLayout:
-        """Replicate x shard (x tensor) layout for the current world size."""
-        if self._mesh_layout is None:
-            self._mesh_layout = self.options.mesh_layout(world_size=self.world_size,
-                                                         devices_per_node=self.num_processes or 1)  # fmt: skip
-        return self._mesh_layout
-
-    @property
     def device_mesh(self) -> DeviceMesh:
         """The data-parallel mesh (``["data_parallel"]`` and ``["tensor_parallel"]`` answer too)."""
         if self._device_mesh is None:

@@ -13,12 +13,14 @@ OPTION_FIELDS = option_fields()
 
 
 class OptionsFront:
-    """Mixed into both strategies (before Lightning's base class): ``options`` and ``mesh_layout`` are theirs."""
+    """Mixed into both strategies (before Lightning's base class): ``options``, ``_mesh_layout`` (``None`` until
+    :attr:`mesh_layout` is first read; set it to ``None`` to recompute), the world size and ranks are theirs."""
 
     options: FSDPPlusOptions
-    mesh_layout: MeshLayout
+    _mesh_layout: MeshLayout | None
     world_size: int
     global_rank: int
+    num_processes: int
 
     def __getattr__(self, name: str) -> Any:
         # only reached when normal lookup fails: option fields read as attributes (strategy.lora, ...)
@@ -26,6 +28,16 @@ class OptionsFront:
         if options is not None and name in OPTION_FIELDS:
             return getattr(options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def mesh_layout(self) -> MeshLayout:
+        """Replicate x shard (x tensor) layout for the current world size. Before the auto plan has chosen (the
+        Trainer strategy's ``setup``): FULL_SHARD's 1-D mesh, rebuilt for the choice."""
+        if self._mesh_layout is None:
+            options = self.options.replace(sharding_strategy="FULL_SHARD") if self.options.auto else self.options
+            per_node = self.num_processes or 1
+            self._mesh_layout = options.mesh_layout(world_size=self.world_size, devices_per_node=per_node)
+        return self._mesh_layout
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

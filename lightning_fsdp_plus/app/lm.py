@@ -155,7 +155,8 @@ class CausalLMModule(LightningModule):
 def build_causal_lm(
     *, name_or_path: str | None = None, config: dict[str, Any] | None = None, torch_dtype: str | None = None
 ) -> nn.Module:
-    """A transformers causal LM: loaded from a directory or hub id, or built from config kwargs.
+    """A transformers causal LM: loaded from a directory, a hub id or a GGUF file (its one-time conversion), or
+    built from config kwargs.
 
     ``config`` needs ``model_type`` (e.g. ``llama``) and builds randomly initialised weights; with both,
     ``config`` entries override the loaded config.
@@ -164,9 +165,11 @@ def build_causal_lm(
 
     dtype = getattr(torch, torch_dtype) if torch_dtype else None
     if name_or_path is not None:
+        from lightning_fsdp_plus.loading.gguf import resolve_model_source
+
         overrides = dict(config or {})
         overrides.pop("model_type", None)
-        return AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, **overrides)
+        return AutoModelForCausalLM.from_pretrained(resolve_model_source(name_or_path), dtype=dtype, **overrides)
     if not config or "model_type" not in config:
         raise ValueError("build_causal_lm: give name_or_path, or config with a model_type (e.g. 'llama')")
     kwargs = dict(config)

@@ -30,12 +30,15 @@ def byte_tokenizer() -> Any:
 
 def load_tokenizer(name_or_path: str | None) -> Any:
     """``AutoTokenizer.from_pretrained(name_or_path)`` with a pad token (EOS when it has none), or the byte-level
-    tokenizer when ``name_or_path`` is ``None``."""
+    tokenizer when ``name_or_path`` is ``None``; a GGUF file's is its conversion's
+    (:func:`~lightning_fsdp_plus.loading.gguf.converted_checkpoint`)."""
     if name_or_path is None:
         return byte_tokenizer()
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    from lightning_fsdp_plus.loading.gguf import resolve_model_source
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_source(name_or_path))  # a GGUF file: its conversion's
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -50,13 +50,18 @@ def deferred_pretrained(
     """``AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)`` without reading a single weight.
 
     Returns the model with parameters on the meta device; ``FSDPPlusStrategy`` loads them after sharding (every
-    rank reads only its shards). ``dtype`` as in ``from_pretrained`` (``None``: the checkpoint's, from
+    rank reads only its shards). ``name_or_path`` may also name a GGUF file (``*.gguf`` or ``pkg:<module>/<file>``),
+    read from its one-time conversion (:func:`~lightning_fsdp_plus.loading.gguf.converted_checkpoint`). ``dtype`` as in
+    ``from_pretrained`` (``None``: the checkpoint's, from
     ``config.json``); ``config_overrides`` change config entries. Raises :class:`PretrainedLoadError` when the
     checkpoint lacks a weight, has another shape than the config implies, or its files are unusable.
     """
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from lightning_fsdp_plus.loading.gguf import resolve_model_source
+
+    name_or_path = resolve_model_source(name_or_path)  # a GGUF file: its converted checkpoint directory
     checkpoint = read_checkpoint(name_or_path)
     overrides = dict(config_overrides or {})
     overrides.pop("model_type", None)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_fsdp_plus.loading.gguf import GGUFSourceError, gguf_path, is_gguf_reference
 from lightning_fsdp_plus.options import FSDPPlusOptions, refuse_ignored
 from lightning_fsdp_plus.plan import AUTO
 from lightning_fsdp_plus.precision import check_precision
@@ -59,11 +60,17 @@ def _closest_sibling(path: Path) -> str:
 
 
 def check_model(model: Any) -> None:
-    """The model config names something loadable: a local directory with config.json, a hub id, or a config."""
+    """The model config names something loadable: a local directory with config.json, a hub id, a GGUF file (a path or
+    ``pkg:<module>/<file>``), or a config."""
     name = model.get("name_or_path")
     if name is None and model.get("config") is None and model.get("_target_") is None:
         raise ConfigError("model: set one of model.name_or_path, model.config or model._target_")
-    if name is not None and _looks_like_path(str(name)):
+    if is_gguf_reference(name):  # converted once before training (lightning_fsdp_plus.loading.gguf)
+        try:
+            gguf_path(name)
+        except GGUFSourceError as err:
+            raise ConfigError(str(err)) from None
+    elif name is not None and _looks_like_path(str(name)):
         path = Path(str(name)).expanduser()
         if not (path / "config.json").is_file():
             missing = "does not exist" if not path.exists() else "is not a directory with a config.json"

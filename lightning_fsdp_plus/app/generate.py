@@ -44,6 +44,21 @@ def greedy_generate(
     return outputs
 
 
+PROBE_TOKENS = 5
+"""How many of the most likely next tokens :func:`next_token_top` reports."""
+
+
+@torch.no_grad()
+def next_token_top(
+    forward: Callable[[Tensor], Tensor], tokenizer: Any, prompt: str, *, device: torch.device | str = "cpu"
+) -> dict[str, list]:
+    """The :data:`PROBE_TOKENS` most likely next tokens after ``prompt`` with their logits: a fingerprint of the model
+    (``generations.jsonl`` keeps it, so a reloaded adapter can be checked against the model that trained it)."""
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=device)
+    top = gathered(forward(ids)[0, -1]).float().topk(PROBE_TOKENS)
+    return {"ids": top.indices.tolist(), "logits": top.values.tolist()}
+
+
 def load_for_generation(model: str, *, adapter: str | None = None) -> tuple[Any, Any]:
     """``(model, tokenizer)`` in eval mode: a model directory (a merged export, or a base with ``adapter``, a PEFT
     adapter directory such as a run's ``adapter/``)."""
@@ -60,11 +75,14 @@ def load_for_generation(model: str, *, adapter: str | None = None) -> tuple[Any,
 
 
 def generation_prompt(record: dict[str, Any], tokenizer: Any, *, chat: bool = False) -> tuple[str, str]:
-    """``(question, prompt)`` for one record: a chat (``messages``) through the tokenizer's chat template up to its
-    last user turn; an instruction in the app's instruction template, or as one user turn when ``chat``."""
+    """``(question, prompt)`` for one record, prompted as the app trains it: a chat (``messages``) through the
+    tokenizer's chat template up to its last user turn; an instruction as one user turn when the tokenizer has a
+    chat template (or ``chat``), else in the app's instruction template."""
     from lightning_fsdp_plus.app.data import (
         MESSAGES_FIELD,
         chat_prompt,
+        has_chat_template,
+        instruction_messages,
         is_chat,
         last_question,
         normalize_messages,
@@ -74,9 +92,9 @@ def generation_prompt(record: dict[str, Any], tokenizer: Any, *, chat: bool = Fa
     if is_chat(record):  # answer the last question, not after a given answer
         turns = normalize_messages(record[MESSAGES_FIELD], where="--file")
         return last_question(turns), chat_prompt(turns, tokenizer)
-    if chat:
-        return str(record["instruction"]), chat_prompt([{"role": "user", "content": str(record["instruction"])}],
-                                                       tokenizer)  # fmt: skip
+    if chat or has_chat_template(tokenizer):
+        turns = instruction_messages({k: v for k, v in record.items() if k != "response"})
+        return str(record["instruction"]), chat_prompt(turns, tokenizer)
     return str(record["instruction"]), render_prompt(record)
 
 

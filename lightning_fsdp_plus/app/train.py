@@ -53,7 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_fsdp_plus._dist import barrier
 from lightning_fsdp_plus.app.config import register_configs
 from lightning_fsdp_plus.app.config.validate import ConfigError, unread_in_this_sweep_job, validate_run_config
-from lightning_fsdp_plus.app.generate import greedy_generate
+from lightning_fsdp_plus.app.generate import greedy_generate, next_token_top
 from lightning_fsdp_plus.app.layout import AttemptLog, plan_layout, recorded_layout, resume_path
 from lightning_fsdp_plus.app.metrics import RunMetrics
 from lightning_fsdp_plus.app.progress import progress_bar
@@ -68,6 +68,7 @@ from lightning_fsdp_plus.app.requeue import (
 )
 from lightning_fsdp_plus.compile import compile_counters, eager_for_generation, graph_break_reasons
 from lightning_fsdp_plus.failures import report_failure
+from lightning_fsdp_plus.loading.gguf import converted_checkpoint, is_gguf_reference
 from lightning_fsdp_plus.lora import export_adapter, find_peft_model
 from lightning_fsdp_plus.memory.monitor import MemoryMonitor, iter_monitors
 from lightning_fsdp_plus.precision import FSDPPlusPrecision
@@ -131,8 +132,18 @@ def _auto_choice(strategy: Any) -> str | None:
     return None if plan is None or plan.chosen is None else plan.choice.candidate.label
 
 
+def use_converted_model(cfg: DictConfig) -> None:
+    """A GGUF ``model.name_or_path`` (a ``.gguf`` path or ``pkg:<module>/<file>``) replaced by its converted checkpoint
+    directory (converted on first use, once: :mod:`lightning_fsdp_plus.loading.gguf`), so the tokenizer, the
+    streaming loader and the adapter's ``base_model_name_or_path`` all read that directory. Runs before the Trainer
+    exists, so before any process group; ranks started later find the conversion done."""
+    if is_gguf_reference(cfg.model.get("name_or_path")):
+        cfg.model.name_or_path = str(converted_checkpoint(cfg.model.name_or_path))
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Fit and validate one run on this process's rank; rank 0 writes and returns ``metrics.json``'s content."""
+    use_converted_model(cfg)
     seed_everything(cfg.seed, workers=True)
     output_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
@@ -199,7 +210,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "torch_threads_per_rank": torch.get_num_threads(),  # CPU: the rank's share of the host's cores
         "compile": _compile_report(trainer.strategy),
         "fit_time_s": fit_seconds,
-        **run_metrics.summary(trainer),
+        "steps": trainer.global_step,
+        **throughput_per_rank(run_metrics.summary(trainer), world_size=trainer.world_size),
         **monitor.summary(trainer),
         "train_loss": float(trainer.strategy.reduce(train_loss.detach(), reduce_op="mean"))
         if train_loss is not None
@@ -211,10 +223,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "overrides": list(HydraConfig.get().overrides.task),
         "adapter_dir": str(adapter_dir) if adapter_dir.exists() else None,
     }
+    metrics["wall_time_s"] = time.perf_counter() - APP_STARTED[0] if APP_STARTED else None
     if trainer.is_global_zero:
         (output_dir / METRICS_FILE).write_text(json.dumps(metrics, indent=1))
         rank_zero_info(f"{perplexity_line(metrics)}; {throughput_line(metrics)}; metrics: {output_dir / METRICS_FILE}")
     return metrics
+
+
+def throughput_per_rank(summary: dict[str, float], *, world_size: int) -> dict[str, float]:
+    """The run's throughput figures (``tokens_per_s`` and ``useful_tokens_per_s`` summed over ranks) with the useful
+    tokens per second of one rank (``useful_tokens_per_s_per_rank``) and the padding share of the trained batches'
+    tokens under its plain name too (``padding_fraction``)."""
+    per_rank = summary["useful_tokens_per_s"] / world_size if world_size else float("nan")
+    return {**summary, "useful_tokens_per_s_per_rank": per_rank, "padding_fraction": summary["padding_share"]}
 
 
 def validation(trainer: Trainer, *, module: Any, datamodule: Any, ckpt_path: str | None = None) -> dict[str, Any]:
@@ -282,24 +303,59 @@ def _compile_report(strategy: Any) -> dict[str, Any] | None:
             "graph_break_reasons": graph_break_reasons()}  # fmt: skip
 
 
+def generation_prompts(datamodule: Any, settings: DictConfig) -> list[dict[str, Any]]:
+    """The prompts to answer: the first ``settings.num_prompts`` of ``settings.questions`` (held-out questions, asked
+    as the data module asks its own) when given, else of the data module's held-out examples."""
+    if not settings.get("questions"):
+        return datamodule.generation_prompts(settings.num_prompts)
+    from lightning_fsdp_plus.app.generate import generation_prompt
+
+    lines = Path(settings.questions).read_text(encoding="utf-8").splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()][: settings.num_prompts]
+    prompts = []
+    for row in rows:
+        question, prompt = generation_prompt({"instruction": row["question"]}, datamodule.tokenizer)
+        prompts.append({"question": question, "prompt": prompt, "answers": row.get("answers")})
+    return prompts
+
+
 def write_generations(trainer: Trainer, datamodule: Any, path: Path, settings: DictConfig) -> None:
-    """Answer held-out prompts greedily with the sharded model (all ranks decode together); rank 0 writes."""
-    prompts = datamodule.generation_prompts(settings.num_prompts)
+    """Answer held-out prompts greedily with the sharded model (all ranks decode together); rank 0 writes and prints
+    them. A LoRA model answers with its adapter disabled too (the base, side by side)."""
+    prompts = generation_prompts(datamodule, settings)
     model = trainer.strategy.model
     model.eval()
-    with eager_for_generation():  # a new length per token: compiling each would cost more than it saves
-        answers = greedy_generate(
-            lambda ids: model(input_ids=ids).logits,
-            datamodule.tokenizer,
-            [p["prompt"] for p in prompts],
-            max_new_tokens=settings.max_new_tokens,
-            device=trainer.strategy.root_device,
-        )
+    found = find_peft_model(model)
+    peft_model = found[1] if found is not None else None
+
+    def answers() -> list[str]:
+        with eager_for_generation():  # a new length per token: compiling each would cost more than it saves
+            return greedy_generate(
+                lambda ids: model(input_ids=ids).logits,
+                datamodule.tokenizer,
+                [p["prompt"] for p in prompts],
+                max_new_tokens=settings.max_new_tokens,
+                device=trainer.strategy.root_device,
+            )
+
+    tuned = answers()
+    probes = [next_token_top(lambda ids: model(input_ids=ids).logits, datamodule.tokenizer, p["prompt"],
+                             device=trainer.strategy.root_device) for p in prompts]  # fmt: skip
+    base = None
+    if peft_model is not None:
+        with peft_model.disable_adapter():  # the frozen base alone, as it answered before training
+            base = answers()
     if trainer.is_global_zero:
-        rows = [{**p, "generated": a} for p, a in zip(prompts, answers, strict=True)]
+        rows = [{**p, "generated": a, "next_token_top": probes[i],
+                 **({"base_generated": base[i]} if base is not None else {})}
+                for i, (p, a) in enumerate(zip(prompts, tuned, strict=True))]  # fmt: skip
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
         for row in rows:
-            rank_zero_info(f"Q: {row['question']}\n   A: {row['generated']}")
+            if base is None:
+                rank_zero_info(f"Q: {row['question']}\n   A: {row['generated']}")
+            else:
+                rank_zero_info(f"Q: {row['question']}\n   base:  {row['base_generated']}\n"
+                               f"   tuned: {row['generated']}")  # fmt: skip
 
 
 def run_job_in_subprocess(*, extra: Sequence[str] = ()) -> dict[str, Any]:
@@ -394,10 +450,15 @@ def user_error_message(err: BaseException, *, traced: bool) -> str:
     return f"Error: {err}\n({where}set HYDRA_FULL_ERROR=1 to raise it here)"
 
 
+APP_STARTED: list[float] = []
+"""When this process's task began (``time.perf_counter()``): the run's wall time in metrics.json counts from it."""
+
+
 def run(cfg: DictConfig) -> dict[str, Any] | None:
     """The task: validate, then train here (single run) or in a fresh process (multirun job); a failure is
     recorded in the run directory."""
     _STARTED.append(True)
+    APP_STARTED.append(time.perf_counter())
     log_to_run_files()
     try:
         sweep = HydraConfig.get().mode == RunMode.MULTIRUN

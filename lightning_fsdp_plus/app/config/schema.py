@@ -195,6 +195,9 @@ class GenerateSchema:
     """Held-out prompts to answer (0: none); answers go to generations.jsonl in the run directory."""
     max_new_tokens: int = 48
     """Tokens generated per answer at most."""
+    questions: str | None = None
+    """A JSONL file of held-out questions (``{question, answers?}`` rows) to ask instead of the validation set's
+    first examples; a LoRA run answers each with its adapter disabled too (the base's answer), side by side."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ given on the command line stays relative to the working directory, as before.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -37,7 +38,19 @@ def shipped_path(relative: str) -> str:
     return relative
 
 
+PACKED_RESOLVER = "if_packed"
+"""The resolver's name in configs: ``${if_packed:${data.pack},2,8}`` is 2 when ``data.pack`` is true, else 8."""
+
+
+def if_packed(pack: bool, packed: Any, unpacked: Any) -> Any:
+    """``packed`` when ``pack`` is true, else ``unpacked``: a shipped experiment's micro-batch in rows of packed
+    examples or in examples, so that ``data.pack=false`` alone gives the unpacked run with as many examples a step."""
+    return packed if pack else unpacked
+
+
 def register_shipped_resolver() -> None:
-    """Make ``${shipped:...}`` resolvable (idempotent)."""
+    """Make ``${shipped:...}`` and ``${if_packed:...}`` resolvable (idempotent)."""
     if not OmegaConf.has_resolver(SHIPPED_RESOLVER):
         OmegaConf.register_new_resolver(SHIPPED_RESOLVER, shipped_path)
+    if not OmegaConf.has_resolver(PACKED_RESOLVER):
+        OmegaConf.register_new_resolver(PACKED_RESOLVER, if_packed)

@@ -9,6 +9,9 @@
     python scripts/refresh_measured.py vocab        # python -m benchmarks.vocab_memory: 128k/152k runs (~40 min)
     python scripts/refresh_measured.py packing      # python -m benchmarks.packing: packed vs unpacked (~25 min)
     python scripts/refresh_measured.py tensor_parallel  # python -m benchmarks.tensor_parallel: TP vs FSDP (~4 min)
+    python scripts/refresh_measured.py real_model   # python -m benchmarks.real_model: SmolLM2 fine-tunes (~35 min)
+                                                    # (also the README's main-job paragraph)
+    python scripts/refresh_measured.py real_model_packing  # ... --packing: one epoch packed vs not, x2 (~20 min)
     python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.md
 
 Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in its page of
@@ -139,6 +142,8 @@ TARGETS: dict[str, tuple[str, list[str], Callable[..., str]]] = {
     "vocab": ("measured/vocab.md", ["-m", "benchmarks.vocab_memory"], benchmark_block),
     "packing": ("measured/examples.md", ["-m", "benchmarks.packing"], benchmark_block),
     "tensor_parallel": ("measured/performance.md", ["-m", "benchmarks.tensor_parallel"], benchmark_block),
+    "real_model": ("measured/real-model.md", ["-m", "benchmarks.real_model"], benchmark_block),
+    "real_model_packing": ("measured/real-model.md", ["-m", "benchmarks.real_model", "--packing"], benchmark_block),
 }
 """Each block's page in ``docs/``, what it runs (arguments to ``python``) and how its output becomes the block."""
 
@@ -157,6 +162,14 @@ def refresh(name: str, *, source: Path | None = None, docs: Path = DOCS) -> str:
     )
     path = docs / page
     path.write_text(replace_block(path.read_text(), f"measured:{name}", block, where=f"docs/{page}"))
+    if name == "real_model":  # the README's main-job paragraph, from the same results
+        sys.path.insert(0, str(REPO))
+        from benchmarks.real_model import readme_block
+
+        readme = docs.parent / "README.md"
+        results = json.loads((out / "results.json").read_text())
+        block_text = readme_block(results)
+        readme.write_text(replace_block(readme.read_text(), "measured:main_job", block_text, where="README.md"))
     return block
 
 

@@ -1,7 +1,8 @@
 """The medical LoRA experiment (the demo) for real (2 CPU processes, LoRA + int8 base), then checked in a plain
 single process: the exported adapter reproduces the held-out loss, and greedy answers match token for token.
 
-It runs the README's demo command (``bash scripts/demo.sh``, read from the README) with 45 steps instead of the
+It runs ``fsdp-plus-train experiment=medical_lora`` (the tiny model's experiment, as ``scripts/run`` runs it; the
+README's main command runs the real model: tests/examples/test_real_model.py) with 45 steps instead of the
 configured 300 to keep the suite short (the examples table in docs/measured/examples.md quotes full runs of both,
 measured by scripts/refresh_measured.py). The legal experiment runs the
 same code on other files: it is composed and validated in tests/config and its data checked in
@@ -18,7 +19,6 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from tests.helpers.docs import doc_commands
 from tests.helpers.launch import REPO, failure_excerpt, subprocess_env
 
 BASE = REPO / "examples" / "assets" / "tiny-llama"
@@ -29,14 +29,12 @@ CHECKPOINTED = "medical_lora_checkpointed"
 """The medical experiment again with ``strategy.activation_checkpointing=auto`` (no generation): it must train
 exactly as the run without checkpointing."""
 RUNS = {"medical_lora": [], CHECKPOINTED: ["strategy.activation_checkpointing=auto", "generate.num_prompts=0"]}
-"""Overrides on top of the demo (``experiment=medical_lora``) for each run."""
+"""Overrides on top of ``experiment=medical_lora`` for each run."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    demo = doc_commands("setup")[0]
-    assert demo == ["bash", "scripts/demo.sh"]
-    assert "experiment=medical_lora" in (REPO / "scripts" / "demo.sh").read_text()
+    demo = ["scripts/run", "fsdp-plus-train", "experiment=medical_lora"]  # the tiny model's experiment
     runs = {}
     for name, overrides in RUNS.items():  # single runs: a multirun would start one more process (the job) per run
         run_dir = tmp_path_factory.mktemp(name)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
 MAX_NEW_TOKENS = 32
 """Tokens each answer may have at most (the shipped answers are one sentence)."""
 
@@ -44,6 +45,8 @@ def run_settings(run_dir: Path, *, questions: Path | None = None) -> dict[str, A
     adapter = Path(metrics["adapter_dir"])
     adapter = adapter if adapter.is_absolute() else run_dir / adapter
     config = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    if not OmegaConf.has_resolver("shipped"):  # the shipped experiments name their files ${shipped:examples/...}
+        OmegaConf.register_new_resolver("shipped", lambda relative: str(REPO / relative))
     questions = questions or OmegaConf.select(config, "generate.questions", default=None)
     if not questions:
         raise SystemExit(f"{run_dir}: the run's config names no generate.questions file")

@@ -205,7 +205,8 @@ def readme_block(results: dict[str, Any]) -> str:
         "|---|---|---|",
     ]
     for row in job["examples"]:
-        cells = [row["question"], row["base"], row["tuned"]]
+        mark = {True: " (right)", False: " (wrong)"}
+        cells = [row["question"], row["base"] + mark[row["base_right"]], row["tuned"] + mark[row["tuned_right"]]]
         lines.append("| " + " | ".join(c.replace("|", "/").replace("\n", " ") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 

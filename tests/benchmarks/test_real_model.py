@@ -38,7 +38,7 @@ def test_the_measured_table_shows_every_figure_of_both_experiments():
 def test_the_readme_paragraph_is_the_medical_runs_figures_and_answers():
     text = readme_block(RESULTS)
     assert "held-out perplexity 19.27 → 1.45 in 100 steps" in text and "24% → 66% (of 162)" in text
-    assert "| Who treats asthma? | A doctor / nurse. | A pulmonologist. |" in text  # a | would split the cell
+    assert "| Who treats asthma? | A doctor / nurse. (wrong) | A pulmonologist. (right) |" in text  # | splits cells
 
 
 def test_an_answer_is_right_when_it_holds_one_of_the_spans():

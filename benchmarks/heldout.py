@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +117,8 @@ def evaluate(run_dir: Path, *, questions: Path | None = None) -> dict[str, Any]:
         }
         for item, b, t in zip(asked, base, tuned, strict=True)
     ]
-    kinds = Counter(r["kind"] for r in rows)
     metrics = settings["metrics"]
+    kinds = {r["kind"] for r in rows}
     return {
         "task": settings["task"],
         "run_dir": str(run_dir),

@@ -1,10 +1,11 @@
-"""The real-model benchmark's pages are rendered from its results (never typed): the measured page's table and the
-README's main-job paragraph, from a results.json of the benchmark's shape; the held-out scoring rule."""
+"""The real-model benchmark's pages are rendered from its results (never typed): the measured page's tables and the
+README's main-job paragraph, from a results.json of the benchmark's shape; the packing medians; the held-out scoring
+rule."""
 
 from __future__ import annotations
 
 from benchmarks.heldout import accuracies, is_right
-from benchmarks.real_model import readme_block, report
+from benchmarks.real_model import packing_summary, readme_block, report
 
 
 def _job(base_ppl: float, ppl: float, base_acc: float, acc: float) -> dict:
@@ -46,3 +47,26 @@ def test_an_answer_is_right_when_it_holds_one_of_the_spans():
     assert not is_right("See a doctor.", ["pulmonologist", "lung"])
     rows = [{"base_right": False, "tuned_right": True}, {"base_right": True, "tuned_right": True}]
     assert accuracies(rows) == {"questions": 2, "base_accuracy": 0.5, "tuned_accuracy": 1.0}
+
+
+def _run(seed: int, tokens_per_s: float, padding: float, perplexity: float) -> dict:
+    return {"seed": seed, "useful_tokens_per_s_per_rank": tokens_per_s, "padding_fraction": padding,
+            "val_perplexity": perplexity, "steps": 23, "fit_time_s": 120.0}  # fmt: skip
+
+
+def test_the_packing_comparison_takes_medians_over_seeds_and_shows_every_run():
+    runs = {"packed": [_run(0, 44.0, 0.07, 2.14), _run(1, 40.0, 0.07, 2.05), _run(2, 42.0, 0.07, 2.10)],
+            "unpacked": [_run(0, 33.0, 0.28, 2.03), _run(1, 34.0, 0.28, 2.03), _run(2, 36.0, 0.28, 2.00)]}  # fmt: skip
+    summary = packing_summary(runs)
+    assert summary["median"]["packed"]["val_perplexity"] == 2.10  # the middle of three, not the mean
+    assert summary["speedup"] == 42.0 / 34.0
+    assert abs(summary["speedup_bound"] - 0.9 / 0.72) < 1e-12
+    assert abs(summary["perplexity_change"] - (2.10 / 2.03 - 1)) < 1e-12
+    text = report({"machine": "m", "command": "c", "packing": summary})
+    assert "(medians of 3 runs each, interleaved, one run of each layout at each seed)" in text
+    assert "| held-out perplexity after the epoch | 2.100 | 2.030 |" in text
+    assert (
+        "| every run: seed, held-out perplexity, useful tokens/s | 0: 2.140, 44.0; 1: 2.050, 40.0; 2: 2.100, 42.0 |"
+        in text
+    )
+    assert "1.24x (the bound 0.9 / (1 - unpacked padding) is 1.25x); held-out perplexity +3.4%" in text

@@ -11,7 +11,7 @@
     python scripts/refresh_measured.py tensor_parallel  # python -m benchmarks.tensor_parallel: TP vs FSDP (~4 min)
     python scripts/refresh_measured.py real_model   # python -m benchmarks.real_model: SmolLM2 fine-tunes (~35 min)
                                                     # (also the README's main-job paragraph)
-    python scripts/refresh_measured.py real_model_packing  # ... --packing: one epoch packed vs not, x2 (~20 min)
+    python scripts/refresh_measured.py real_model_packing  # ... --packing: one epoch packed vs not, 3 seeds (~25 min)
     python scripts/refresh_measured.py benchmark --from outputs/benchmarks/run   # a finished run's results.md
 
 Each block sits between ``<!-- measured:NAME:start -->`` and ``<!-- measured:NAME:end -->`` in its page of

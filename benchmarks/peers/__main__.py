@@ -52,7 +52,12 @@ def _accelerate(*, device: str) -> list[str]:
 
 
 SYSTEMS: dict[str, dict[str, Any]] = {
-    "ours": {"label": 'ours: Trainer(strategy="fsdp_plus")', "worker": "run_ours", "mode": "float"},
+    "ours": {"label": 'ours: Trainer(strategy="fsdp_plus"), float base sharded', "worker": "run_ours", "mode": "float"},
+    "ours_float_replicated": {
+        "label": "ours, float base replicated, LoRA-only sharding",
+        "worker": "run_ours",
+        "mode": "float_replicated",
+    },
     "trl": {"label": "TRL SFTTrainer + PEFT, accelerate launch", "worker": "run_trl", "mode": "float"},
     "lightning_mps": {"label": "Lightning ModelParallelStrategy + PEFT", "worker": "run_mps", "mode": "float"},
     "plain_peft": {"label": "plain PEFT, one process (loss reference)", "worker": "run_plain", "mode": "float"},

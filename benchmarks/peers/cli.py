@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-MODES = ("float", "int8_sharded", "int8_replicated")
-"""How the frozen base is held: float (every system), LLM.int8 sharded or replicated (ours only)."""
+MODES = ("float", "float_replicated", "int8_sharded", "int8_replicated")
+"""How the frozen base is held: float and sharded with the adapters (every system; TRL's as Accelerate runs it),
+float and replicated with only the adapters sharded, LLM.int8 sharded or replicated (the last three ours only)."""
 
 
 def worker_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:

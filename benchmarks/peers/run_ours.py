@@ -1,6 +1,7 @@
 """Ours: ``Trainer(strategy=FSDPPlusStrategy(...))`` on 2 CPU processes, LoRA applied by the strategy, the base
 built on meta and each rank reading its own shards (``CausalLMModule.from_pretrained``). ``--mode``: a float base
-sharded with the adapters (FULL_SHARD), or an LLM.int8 base sharded or replicated (LoRA-only sharding)."""
+sharded with the adapters (FULL_SHARD) or replicated with only the adapters sharded (LoRA-only sharding, as
+DDP holds it), or an LLM.int8 base sharded or replicated."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     held = {
         "float": {"quantize_base": None, "lora_only": False},
+        "float_replicated": {"quantize_base": None, "lora_only": True},
         "int8_sharded": {"quantize_base": "int8", "lora_only": False},
         "int8_replicated": {"quantize_base": "int8", "lora_only": True},
     }[args.mode]
